@@ -1,0 +1,213 @@
+"""Paged KV-cache bookkeeping: which physical block holds which tokens of which request (torch-free).
+
+The KV cache is ``num_blocks`` blocks of ``block_size`` token slots. Each request owns a block table:
+logical block ``i`` (tokens ``i*block_size .. (i+1)*block_size - 1``) lives in physical block
+``block_table[i]``. Blocks are allocated on demand as tokens are scheduled, so only the last block of a
+request is ever partly filled. Blocks carry reference counts: prefix caching and ``fork`` (n > 1, beam
+search) let several requests point at the same physical block; a request about to write into a shared
+partial block first gets a private copy (copy-on-write), reported in ``pending_copies``.
+
+Prefix caching: once a block is full, it is identified by the key ``(id of the parent block's key, its
+token ids)``. Keys are compared exactly (a dictionary holds the token tuples), so two different prefixes
+can never share KV, whatever their hashes; key ids are never reused. A new request reuses the longest run
+of cached blocks matching its prompt. Blocks whose reference count drops
+to zero stay cached (and count as free) until the allocator evicts them, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvpilot.engine.request import Request
+
+
+class BlockManager:
+    """Allocates KV blocks to requests; all methods are O(blocks touched)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # Cache key of each block while it holds a cached full block: (parent key id, token ids).
+        self.block_keys: list[tuple | None] = [None] * num_blocks
+        # Free blocks without a cached hash: reused first (a stack, hot blocks first).
+        self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free blocks still holding a cached prefix, in eviction order (least recently freed first).
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[tuple, tuple[int, int]] = {}  # key -> (physical block, key id)
+        self._next_key_id = 0
+        self.block_tables: dict[str, list[int]] = {}
+        self._key_chain: dict[str, list[int]] = {}  # key ids of a request's full blocks, in order
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write pairs for this step
+        # Counters read by the metrics: prompt tokens looked up in / found in the prefix cache.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_block_table(self, req_id: str) -> list[int]:
+        return self.block_tables.get(req_id, [])
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ allocation
+    def _pop_free(self) -> int:
+        if self._free_plain:
+            block = self._free_plain.pop()
+        else:
+            block, _ = self._free_cached.popitem(last=False)
+            key = self.block_keys[block]
+            if key is not None and self._cached.get(key, (None,))[0] == block:
+                del self._cached[key]
+            self.block_keys[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _touch(self, block: int) -> None:
+        """Take one more reference on ``block`` (reviving it from the free cache if needed)."""
+        if self.ref_counts[block] == 0:
+            del self._free_cached[block]
+        self.ref_counts[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, f"block {block} released below zero"
+        if self.ref_counts[block] == 0:
+            if self.block_keys[block] is not None:
+                self._free_cached[block] = None
+            else:
+                self._free_plain.append(block)
+
+    def allocate_prefix(self, req: Request) -> int:
+        """On admission: reuse cached blocks for the longest cached prefix of ``req``'s tokens.
+
+        Returns the number of tokens whose KV is already cached (a multiple of ``block_size``, and
+        always leaving at least one token to compute so the request gets logits). Sets
+        ``req.num_computed_tokens`` accordingly. No-op when prefix caching is off.
+        """
+        assert req.req_id not in self.block_tables, f"{req.req_id} already has blocks"
+        self.block_tables[req.req_id] = []
+        self._key_chain[req.req_id] = []
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = req.all_token_ids
+        bs = self.block_size
+        max_blocks = (len(tokens) - 1) // bs
+        table = self.block_tables[req.req_id]
+        chain = self._key_chain[req.req_id]
+        parent = None
+        for i in range(max_blocks):
+            hit = self._cached.get((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            if hit is None:
+                break
+            block, parent = hit
+            self._touch(block)
+            table.append(block)
+            chain.append(parent)
+        num_cached = len(table) * self.block_size
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += num_cached
+        req.num_computed_tokens = num_cached
+        req.num_cached_tokens = num_cached
+        return num_cached
+
+    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        table = self.block_tables.get(req.req_id, [])
+        needed = self.num_blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
+        needed += self._needs_cow(req, table)
+        return needed <= self.num_free_blocks
+
+    def _needs_cow(self, req: Request, table: list[int]) -> int:
+        """1 when the next write lands in a partially filled block shared with another request."""
+        if req.num_computed_tokens % self.block_size == 0:
+            return 0
+        last = req.num_computed_tokens // self.block_size
+        return int(last < len(table) and self.ref_counts[table[last]] > 1)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``req`` (KV written this step).
+
+        All-or-nothing: returns False and changes nothing when the free pool is too small.
+        """
+        table = self.block_tables.setdefault(req.req_id, [])
+        self._key_chain.setdefault(req.req_id, [])
+        cow = self._needs_cow(req, table)
+        needed = self.num_blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
+        if max(needed, 0) + cow > self.num_free_blocks:
+            return False
+        if cow:
+            last = req.num_computed_tokens // self.block_size
+            src = table[last]
+            dst = self._pop_free()
+            self.pending_copies.append((src, dst))
+            self._release(src)
+            table[last] = dst
+        for _ in range(needed):
+            table.append(self._pop_free())
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the cache keys of ``req``'s blocks that became full (their KV is computed)."""
+        if not self.enable_prefix_caching:
+            return
+        chain = self._key_chain[req.req_id]
+        table = self.block_tables[req.req_id]
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(table))
+        tokens = req.all_token_ids
+        parent = chain[-1] if chain else None
+        for i in range(len(chain), num_full):
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            hit = self._cached.get(key)
+            if hit is not None:
+                parent = hit[1]
+            else:
+                parent = self._next_key_id
+                self._next_key_id += 1
+                block = table[i]
+                if self.block_keys[block] is None:
+                    self.block_keys[block] = key
+                    self._cached[key] = (block, parent)
+            chain.append(parent)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Make ``child`` share every block of ``parent`` (reference counted, copy-on-write)."""
+        table = self.block_tables[parent.req_id]
+        for block in table:
+            self.ref_counts[block] += 1
+        self.block_tables[child.req_id] = list(table)
+        self._key_chain[child.req_id] = list(self._key_chain[parent.req_id])
+
+    def free(self, req: Request) -> None:
+        """Release every block of ``req`` (finish, abort or recompute preemption). Idempotent."""
+        table = self.block_tables.pop(req.req_id, None)
+        self._key_chain.pop(req.req_id, None)
+        if table is None:
+            return
+        # Tail blocks first, so that they are evicted before the shared prefix blocks.
+        for block in reversed(table):
+            self._release(block)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes of free blocks (e.g. after weights change)."""
+        for block in list(self._free_cached):
+            del self._cached[self.block_keys[block]]
+            self.block_keys[block] = None
+            self._free_plain.append(block)
+        self._free_cached.clear()

@@ -1,0 +1,391 @@
+"""The synchronous engine: requests in, one step at a time, outputs out.
+
+``step()`` is three calls -- schedule, run the model, update from the output -- plus turning the
+updates into ``RequestOutput`` objects (detokenization, stop strings).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpilot.engine.block_manager import BlockManager
+from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.memory import (
+    GiB,
+    KVPoolPlan,
+    cpu_activation_estimate,
+    plan_kv_pool,
+    total_system_memory,
+)
+from kvpilot.engine.model_runner import KVCache, ModelRunner
+from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.loader import load_model, resolve_model_dir
+from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.sampler import Sampler
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from kvpilot.kernels import get_backend
+
+logger = logging.getLogger("kvpilot.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one user request (``n`` sequences)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    num_finished: int = 0
+    # Streaming: token ids not yet handed out, per sequence.
+    pending_ids: list[list[int]] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is visible")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    dtype = _DTYPES.get(str(model_cfg.torch_dtype), torch.float32)
+    if device.type == "cpu" and dtype == torch.float16:
+        # float16 matmuls are slow on CPUs; bfloat16 has the same size and a wider range.
+        logger.info("dtype float16 -> bfloat16 on CPU")
+        dtype = torch.bfloat16
+    return dtype
+
+
+class LLMEngine:
+    """Owns the tokenizer, model runner, block manager and scheduler of one engine instance."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+            raise ConfigError(
+                "tensor_parallel_size and pipeline_parallel_size other than 1 are not supported by this build"
+            )
+        t0 = time.monotonic()
+        self.args = args
+        self.model_dir = resolve_model_dir(args.model)
+        self.model_config = cfg = ModelConfig.from_pretrained(self.model_dir)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, cfg, self.device)
+        self.tokenizer = self._load_tokenizer(args.tokenizer or self.model_dir)
+        self.eos_token_id = self._eos_token_id()
+        self.max_model_len = self._max_model_len()
+        max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+        if not args.enable_chunked_prefill:
+            max_batched = max(max_batched, self.max_model_len) if args.max_num_batched_tokens is None else max_batched
+            if max_batched < self.max_model_len:
+                raise ConfigError(
+                    f"without chunked prefill max_num_batched_tokens ({max_batched}) must be >= max_model_len "
+                    f"({self.max_model_len}); enable chunked prefill or raise it"
+                )
+        self.max_num_batched_tokens = max_batched
+
+        self.backend = get_backend(args.attention_backend, self.device.type)
+        torch.manual_seed(args.seed)
+        self.model = load_model(
+            self.model_dir, cfg, self.backend, self.dtype, self.device, max(self.max_model_len, 1)
+        )
+        self.sampler = Sampler(args.seed, self.device)
+        self.runner = ModelRunner(self.model, self.backend, self.device, args.block_size, self.sampler,
+                                  self.eos_token_id)
+        self.kv_plan = self._plan_kv_pool()
+        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        self.block_manager = BlockManager(self.kv_plan.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                preemption_mode=args.preemption_mode,
+            ),
+            self.block_manager,
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._seq_owner: dict[str, _Tracked] = {}  # sequence id -> its user request
+        self._seqs: dict[str, Request] = {}  # sequence id -> sequence
+        self.num_steps = 0
+        logger.info(
+            "model %s (%s, %d layers, %d/%d heads), dtype %s, device %s, attention backend %s, "
+            "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d; loaded in %.1fs",
+            self.model_dir, cfg.architecture, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, str(self.dtype).removeprefix("torch."), self.device, self.backend.name,
+            self.max_model_len, args.max_num_seqs, max_batched, time.monotonic() - t0,
+        )
+        logger.info(self.kv_plan.describe(self.max_model_len))
+
+    # ------------------------------------------------------------------ set-up helpers
+    @staticmethod
+    def _load_tokenizer(path: str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        return self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+
+    def _max_model_len(self) -> int:
+        cfg = self.model_config
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None and cfg.sliding_window < limit:
+            logger.info("sliding window %d: max_model_len limited to it", cfg.sliding_window)
+            limit = cfg.sliding_window
+        if self.args.max_model_len is None:
+            return limit
+        if self.args.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len {self.args.max_model_len} exceeds what the model supports ({limit})"
+            )
+        return self.args.max_model_len
+
+    def _plan_kv_pool(self) -> KVPoolPlan:
+        cfg = self.model_config
+        args = self.args
+        bytes_per_block = KVCache.bytes_per_block(
+            cfg.num_hidden_layers, args.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+        )
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        explicit = args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None
+        activation = 0
+        budget = 0
+        used = 0
+        if not explicit:
+            tokens = self.max_num_batched_tokens
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+                self.runner.profile_forward(tokens, args.max_num_seqs)
+                torch.cuda.synchronize(self.device)
+                activation = torch.cuda.max_memory_allocated(self.device) - before
+                free, budget = torch.cuda.mem_get_info(self.device)
+                used = budget - free - weights  # other processes and the CUDA context
+            else:
+                budget = args.cpu_memory_budget_bytes or total_system_memory() // 2
+                activation = cpu_activation_estimate(
+                    tokens, cfg.hidden_size, cfg.intermediate_size,
+                    (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim,
+                    cfg.vocab_size, args.max_num_seqs, self.dtype.itemsize,
+                )
+        return plan_kv_pool(
+            block_size=args.block_size,
+            bytes_per_block=bytes_per_block,
+            max_model_len=self.max_model_len,
+            num_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            budget_bytes=budget,
+            weights_bytes=weights,
+            activation_bytes=activation,
+            already_used_bytes=max(0, used),
+        )
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        stream: bool = False,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request (a text prompt, or token ids). ``n > 1`` runs ``n`` sequences.
+
+        Raises ValueError for an empty or too-long prompt, out-of-vocabulary ids or a duplicate id.
+        """
+        params = params or SamplingParams()
+        if request_id in self._tracked:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if isinstance(prompt, str):
+            text = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text = None
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        seqs = []
+        for i in range(params.n):
+            seq_params = params
+            if params.n > 1:
+                # Siblings draw different samples: each gets its own seed offset.
+                seed = None if params.seed is None else params.seed + i
+                seq_params = _replace_params(params, n=1, seed=seed)
+            seqs.append(
+                Request(
+                    req_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                    prompt_token_ids=token_ids,
+                    sampling_params=seq_params,
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                )
+            )
+        added = []
+        try:
+            for seq in seqs:
+                self.scheduler.add_request(seq)
+                added.append(seq.req_id)
+        except ValueError:
+            self.scheduler.abort_requests(added)
+            raise
+        detoks = [
+            IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens, params.stop_strings,
+                params.include_stop_str_in_output,
+            )
+            for _ in seqs
+        ]
+        tracked = _Tracked(request_id, text, token_ids, params, stream, seqs, detoks,
+                           pending_ids=[[] for _ in seqs])
+        self._tracked[request_id] = tracked
+        for seq in seqs:
+            self._seq_owner[seq.req_id] = tracked
+            self._seqs[seq.req_id] = seq
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests now; their KV blocks are free when this returns. Unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            tracked = self._tracked.get(rid)
+            if tracked is None:
+                continue
+            self.scheduler.abort_requests(s.req_id for s in tracked.seqs)
+            self._forget(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return outputs of requests that finished (and, for streaming
+        requests, of those that produced new tokens)."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        result = self.runner.execute(sched_out)
+        sampled = dict(zip(result.req_ids, result.token_ids, strict=True))
+        updates = self.scheduler.update_from_output(sched_out, sampled)
+        self.num_steps += 1
+        for req_id, lp in zip(result.req_ids, result.logprobs, strict=True):
+            if lp is not None:
+                self._seqs[req_id].logprobs.append(lp)
+        return self._process_updates(updates)
+
+    def _process_updates(self, updates) -> list[RequestOutput]:
+        touched: dict[str, _Tracked] = {}
+        for upd in updates:
+            req = upd.request
+            tracked = self._seq_owner[req.req_id]
+            i = tracked.seqs.index(req)
+            detok = tracked.detoks[i]
+            detok.add_token(upd.new_token_id)
+            tracked.pending_ids[i].append(upd.new_token_id)
+            finished = upd.finished
+            if detok.stop_string is not None and not finished:
+                self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = detok.stop_string
+                finished = True
+            if finished:
+                tracked.num_finished += 1
+            touched[tracked.request_id] = tracked
+        outputs = []
+        for tracked in touched.values():
+            finished = tracked.num_finished == len(tracked.seqs)
+            if finished or tracked.stream:
+                outputs.append(self._make_output(tracked, finished))
+            if finished:
+                self._forget(tracked)
+        return outputs
+
+    def _forget(self, tracked: _Tracked) -> None:
+        del self._tracked[tracked.request_id]
+        for s in tracked.seqs:
+            self._seq_owner.pop(s.req_id, None)
+            self._seqs.pop(s.req_id, None)
+
+    def _make_output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        completions = []
+        deltas, delta_ids = [], []
+        for i, (seq, detok) in enumerate(zip(tracked.seqs, tracked.detoks, strict=True)):
+            done = seq.is_finished
+            deltas.append(detok.pop_delta(final=done))
+            delta_ids.append(tracked.pending_ids[i])
+            tracked.pending_ids[i] = []
+            cumulative = None
+            if seq.logprobs is not None:
+                cumulative = sum(next(iter(entry.values())) for entry in seq.logprobs)
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=cumulative,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        first = tracked.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            scheduled_time=first.scheduled_time,
+            first_token_time=min((s.first_token_time for s in tracked.seqs if s.first_token_time), default=None),
+            last_token_time=max((s.last_token_time for s in tracked.seqs if s.last_token_time), default=None),
+            finished_time=max((s.finished_time for s in tracked.seqs if s.finished_time), default=None),
+            num_preemptions=sum(s.num_preemptions for s in tracked.seqs),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        return RequestOutput(
+            request_id=tracked.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=tracked.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+            delta_text=deltas,
+            delta_token_ids=delta_ids,
+        )
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    @property
+    def kv_pool_gib(self) -> float:
+        return self.kv_plan.kv_bytes / GiB
+
+
+def _replace_params(params: SamplingParams, **changes) -> SamplingParams:
+    import dataclasses
+
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    values.update(changes)
+    return SamplingParams(**values)

@@ -1,0 +1,198 @@
+"""Runs one scheduler step on the model: flatten the batch, forward once, sample.
+
+The runner owns the model, the KV cache tensors and the sampler. It reads only the
+``SchedulerOutput`` (plus the engine's EOS id), so the same code can run in a worker process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.models.llama import LlamaForCausalLM
+from kvpilot.engine.sampler import Sampler, SamplingRow
+from kvpilot.engine.scheduler import SchedulerOutput
+from kvpilot.kernels import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled this step, aligned lists over the requests that sampled."""
+
+    req_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_rows] token index whose hidden state is sampled
+
+
+class KVCache:
+    """Per-layer K and V block pools: each ``[num_blocks, block_size, num_kv_heads, head_size]``.
+
+    One allocation holds every layer (``[num_layers, 2, num_blocks, ...]``) so that block copies and
+    swaps are single indexing ops across layers.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Zero-filled: masked-out padding slots are read by batched attention and must stay finite.
+        self.data = torch.zeros(
+            num_layers, 2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device
+        )
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_size: int, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        device: torch.device,
+        block_size: int,
+        sampler: Sampler,
+        eos_token_id: int | None,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.block_size = block_size
+        self.sampler = sampler
+        self.eos_token_id = eos_token_id
+        self.kv_cache: KVCache | None = None
+
+    def allocate_kv_cache(self, num_blocks: int) -> KVCache:
+        cfg = self.model.config
+        self.kv_cache = KVCache(
+            cfg.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.model.embed_tokens.weight.dtype,
+            self.device,
+        )
+        return self.kv_cache
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        """Flatten the step into token ids, positions, slots and block tables."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        max_blocks = 0
+        num_decodes = 0
+        counting_decodes = True
+        for item in out.scheduled:
+            n = len(item.token_ids)
+            start = item.start_pos
+            end = start + n
+            input_ids.extend(item.token_ids)
+            positions.extend(range(start, end))
+            table = item.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, -(-end // bs))
+            if item.do_sample:
+                logits_indices.append(qsl[-1] - 1)
+            if counting_decodes and n == 1:
+                num_decodes += 1
+            else:
+                counting_decodes = False
+        tables = [item.block_table[:max_blocks] + [0] * (max_blocks - len(item.block_table[:max_blocks]))
+                  for item in out.scheduled]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            query_start_loc_host=qsl,
+            seq_lens_host=seq_lens,
+        )
+        return ModelInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            metadata=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Copy-on-write, one forward over the flattened batch, then sample the requests that need it."""
+        assert self.kv_cache is not None, "allocate_kv_cache() first"
+        if out.blocks_to_copy:
+            mapping = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
+            layers = self.kv_cache.layers
+            self.backend.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.metadata)
+        sampling = [item for item in out.scheduled if item.do_sample]
+        if not sampling:
+            return ModelRunnerOutput([], [], [])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = [
+            SamplingRow(item.sampling_params, item.prompt_token_ids, item.output_token_ids, self.eos_token_id)
+            for item in sampling
+        ]
+        sampled = self.sampler(logits, rows)
+        return ModelRunnerOutput([item.req_id for item in sampling], sampled.token_ids, sampled.logprobs)
+
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int, max_num_seqs: int) -> None:
+        """One forward at the largest step shape (``num_tokens`` tokens) without a KV cache, to measure
+        peak activation memory. Uses a throwaway one-block cache per layer and drops the writes."""
+        cfg = self.model.config
+        dtype = self.model.embed_tokens.weight.dtype
+        num_reqs = max(1, min(max_num_seqs, num_tokens))
+        per_req = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
+        scratch_blocks = -(-max(per_req) // self.block_size)
+        k = torch.zeros(scratch_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
+                        device=self.device)
+        caches = [(k, k) for _ in range(cfg.num_hidden_layers)]
+        qsl = [0]
+        for n in per_req:
+            qsl.append(qsl[-1] + n)
+        table = list(range(scratch_blocks))
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(per_req, dtype=torch.int32, device=self.device),
+            block_tables=torch.tensor([table] * num_reqs, dtype=torch.int32, device=self.device),
+            max_query_len=max(per_req),
+            max_seq_len=max(per_req),
+            num_decodes=sum(1 for n in per_req if n == 1) if all(n == 1 for n in per_req) else 0,
+            query_start_loc_host=qsl,
+            seq_lens_host=per_req,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in per_req])
+        hidden = self.model(ids, pos, caches, meta)
+        self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=self.device) - 1])

@@ -1,0 +1,92 @@
+"""Request state shared by the scheduler and the engine (torch-free).
+
+A request is "prefill and decode as one thing": it owns ``all_token_ids`` (prompt + generated) and
+``num_computed_tokens``, how many of them already have KV in the cache. Each step the scheduler
+feeds it the next ``num_tokens - num_computed_tokens`` tokens (a prefill chunk, or 1 while decoding).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kvpilot.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    SWAPPED = "swapped"  # blocks in the CPU pool
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # The effective output cap: max_tokens clipped so that prompt + output <= max_model_len.
+    max_output_tokens: int = 0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # FCFS priority: lower is earlier; the scheduler preempts the highest first.
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    num_preemptions: int = 0
+    # Tokens of the prompt whose KV came from the prefix cache at admission.
+    num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
+    # logprobs[i] = {token_id: logprob} for output token i (sampled token first), when requested.
+    logprobs: list[dict[int, float]] | None = None
+    # Timing for metrics (monotonic seconds).
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,158 @@
+"""Turn each sampling row's logits into the next token.
+
+Per row, in order: min_tokens masking (EOS / stop tokens banned until ``min_tokens`` are out) ->
+repetition / presence / frequency penalties -> greedy argmax, or temperature -> top-k -> top-p ->
+min-p -> a sample. Samples use the "exponential race" ``argmax(p / q)`` with ``q ~ Exp(1)``: a
+seeded request draws ``q`` from a generator seeded by (seed, output index), so its tokens do not depend
+on what else is in the batch or on preemptions. Logprobs are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.sampling_params import SamplingParams
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request that samples this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: None, or {token_id: logprob} with the sampled token first, then the top-k.
+    logprobs: list[dict[int, float] | None]
+
+
+def _row_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+class Sampler:
+    """Stateless apart from the engine-wide generator used by unseeded requests."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """``logits``: [len(rows), vocab] float32."""
+        num_rows, vocab = logits.shape
+        want_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = None
+        if any(k is not None for k in want_logprobs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        simple = all(r.params.is_greedy and not r.params.has_penalties and not r.params.min_tokens for r in rows)
+        if simple:
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            logits = logits.clone()
+            self._apply_min_tokens(logits, rows)
+            self._apply_penalties(logits, rows)
+            token_ids = self._sample(logits, rows)
+
+        logprobs: list[dict[int, float] | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            for i, k in enumerate(want_logprobs):
+                if k is None:
+                    continue
+                entry = {token_ids[i]: float(raw_logprobs[i, token_ids[i]])}
+                if k:
+                    values, ids = raw_logprobs[i].topk(k)
+                    for t, lp in zip(ids.tolist(), values.tolist(), strict=True):
+                        entry.setdefault(t, lp)
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) >= r.params.min_tokens:
+                continue
+            banned = list(r.params.stop_token_ids)
+            if r.eos_token_id is not None and not r.params.ignore_eos:
+                banned.append(r.eos_token_id)
+            if banned:
+                logits[i, banned] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        vocab = logits.shape[1]
+        for i, r in enumerate(rows):
+            p = r.params
+            if not p.has_penalties:
+                continue
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+                seen[torch.tensor(r.prompt_token_ids + r.output_token_ids, device=self.device)] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
+                out = torch.tensor(r.output_token_ids, device=self.device)
+                counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        token_ids = logits.argmax(dim=-1).tolist()
+        random_rows = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_EPS]
+        if not random_rows:
+            return token_ids
+        idx = torch.tensor(random_rows, device=self.device)
+        x = logits[idx]
+        temps = torch.tensor([rows[i].params.temperature for i in random_rows], device=self.device)
+        x = x / temps[:, None]
+        x = self._top_k_top_p(x, [rows[i].params for i in random_rows])
+        probs = torch.softmax(x, dim=-1)
+        min_ps = torch.tensor([rows[i].params.min_p for i in random_rows], device=self.device)
+        if bool((min_ps > 0).any()):
+            threshold = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        q = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            r = rows[i]
+            if r.params.seed is not None:
+                gen = _row_generator(r.params.seed, len(r.output_token_ids), self.device)
+            else:
+                gen = self.generator
+            q[j].exponential_(generator=gen)
+        chosen = (probs / q).argmax(dim=-1).tolist()
+        for j, i in enumerate(random_rows):
+            token_ids[i] = chosen[j]
+        return token_ids
+
+    @staticmethod
+    def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        vocab = x.shape[1]
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_ps = [p.top_p for p in params]
+        if all(k == vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
+            return x
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        ks = torch.tensor(top_ks, device=x.device)
+        ranks = torch.arange(vocab, device=x.device)[None, :]
+        drop = ranks >= ks[:, None]
+        ps = torch.tensor(top_ps, device=x.device, dtype=torch.float32)
+        if bool((ps < 1.0).any()):
+            probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop |= mass_before >= ps[:, None]
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        return torch.empty_like(x).scatter_(1, order, sorted_x)

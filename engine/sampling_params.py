@@ -1,0 +1,98 @@
+"""Per-request sampling parameters (torch-free; validated at the edge)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names it."""
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop, mirroring vLLM's ``SamplingParams``.
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``seed`` makes the
+    request's samples reproducible whatever else is in the batch. ``logprobs=k`` returns the
+    sampled token's log-probability and the top-k alternatives at each step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Filled in by __post_init__ from ``stop``; always a list.
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise SamplingParamsError(msg)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        check(
+            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        if self.top_k == -1:
+            self.top_k = 0
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        )
+        check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        if self.max_tokens is not None:
+            check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        check(all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

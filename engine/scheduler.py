@@ -1,0 +1,305 @@
+"""Iteration-level continuous batching with chunked prefill and preemption (torch-free).
+
+Every step fills a token budget of ``max_num_batched_tokens``:
+
+1. running requests that are decoding (1 token each), oldest first;
+2. running requests still part-way through their prompt (the next prefill chunk);
+3. waiting requests, FCFS, while fewer than ``max_num_seqs`` run (their first chunk).
+
+A request never distinguishes prefill from decode: it feeds ``num_tokens - num_computed_tokens`` tokens,
+clipped to what is left of the budget. When a running request cannot get a KV block, the newest running
+request is preempted (recompute: its blocks are freed and it re-queues at the front of the waiting
+queue, to re-prefill prompt + generated tokens later).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvpilot.engine.block_manager import BlockManager
+from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SchedulerConfig:
+    """The knobs the scheduler obeys (validated by ``EngineArgs``)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's slice of a step."""
+
+    req_id: str
+    token_ids: list[int]  # tokens fed this step, at positions start_pos .. start_pos + len - 1
+    start_pos: int  # == num_computed_tokens before the step
+    block_table: list[int]  # the request's physical blocks (shared list; read-only for the runner)
+    do_sample: bool  # True when this slice reaches the end of the known tokens: sample the next one
+    sampling_params: SamplingParams
+    output_token_ids: list[int]  # generated so far (for penalties and seeds); read-only
+    prompt_token_ids: list[int]  # read-only
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs in one step. The model runner reads only this."""
+
+    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
+    num_batched_tokens: int  # sum of len(token_ids)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pairs
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics, taken after each step."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float  # 0..1
+    cpu_cache_usage: float  # 0..1 (swap mode)
+    num_preemptions_total: int
+    prefix_cache_queries: int  # tokens looked up (cumulative)
+    prefix_cache_hits: int  # tokens found (cumulative)
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request: the token it sampled, and whether it finished."""
+
+    request: Request
+    new_token_id: int | None
+    finished: bool
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each feeds."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, req: Request) -> None:
+        """Queue ``req``. Raises ValueError if it can never run (longer than ``max_model_len``)."""
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        if req.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: at least one token is required")
+        if req.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {req.num_prompt_tokens} tokens but max_model_len is "
+                f"{self.config.max_model_len}: at most {self.config.max_model_len - 1} prompt tokens "
+                "fit with room for one generated token"
+            )
+        room = self.config.max_model_len - req.num_prompt_tokens
+        max_tokens = req.sampling_params.max_tokens
+        req.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
+        bm = self.block_manager
+        # The last sampled token is never fed back, so a request holds at most prompt + max_output - 1 slots.
+        peak = req.num_prompt_tokens + req.max_output_tokens - 1
+        if bm.num_blocks_needed(peak) > bm.num_blocks:
+            raise ValueError(
+                f"the request needs up to {peak} tokens of KV cache ({req.num_prompt_tokens} prompt + "
+                f"{req.max_output_tokens} output) but the whole cache holds {bm.num_blocks * bm.block_size} "
+                "tokens; shorten the prompt or lower max_tokens"
+            )
+        req.status = RequestStatus.WAITING
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        """Stop these requests now and free their blocks. Unknown or finished ids are ignored."""
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the step (abort, stop string matched by the detokenizer)."""
+        done = []
+        for req_id in req_ids:
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.monotonic()
+        self.block_manager.free(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocate their KV slots."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, tuple[Request, int]] = {}
+        preempted: list[str] = []
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(req, num_new):
+                victim = max(self.running, key=lambda r: r.arrival_seq)
+                if victim.req_id in scheduled:
+                    budget += scheduled.pop(victim.req_id)[1]
+                self._preempt(victim)
+                preempted.append(victim.req_id)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.req_id] = (req, num_new)
+                budget -= num_new
+
+        # Admit waiting requests, unless this step already had to preempt (no room to spare).
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            fresh = req.req_id not in self.block_manager.block_tables
+            if fresh:
+                self.block_manager.allocate_prefix(req)
+            num_new = req.num_tokens - req.num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                if fresh:
+                    self._unadmit(req)
+                break
+            num_new = min(num_new, budget)
+            if not self.block_manager.allocate_slots(req, num_new):
+                if fresh:
+                    self._unadmit(req)
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled[req.req_id] = (req, num_new)
+            budget -= num_new
+
+        items = []
+        for req, num_new in scheduled.values():
+            start = req.num_computed_tokens
+            items.append(
+                ScheduledRequest(
+                    req_id=req.req_id,
+                    token_ids=req.all_token_ids[start : start + num_new],
+                    start_pos=start,
+                    block_table=self.block_manager.block_tables[req.req_id],
+                    do_sample=start + num_new == req.num_tokens,
+                    sampling_params=req.sampling_params,
+                    output_token_ids=req.output_token_ids,
+                    prompt_token_ids=req.prompt_token_ids,
+                )
+            )
+        return SchedulerOutput(
+            scheduled=items,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            blocks_to_copy=self.block_manager.take_pending_copies(),
+            preempted_req_ids=preempted,
+        )
+
+    def _unadmit(self, req: Request) -> None:
+        """Undo ``allocate_prefix`` for a request that stays waiting."""
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop ``req``'s KV and queue it first to re-prefill everything."""
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[RequestUpdate]:
+        """Advance every scheduled request; append sampled tokens; finish those that stop.
+
+        ``sampled`` maps req_id -> next token for every scheduled request with ``do_sample``.
+        """
+        updates = []
+        now = time.monotonic()
+        for item in output.scheduled:
+            req = self.requests.get(item.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(item.token_ids)
+            self.block_manager.cache_full_blocks(req)
+            if not item.do_sample:
+                continue
+            token = sampled[item.req_id]
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                del self.requests[req.req_id]
+                self.running.remove(req)
+                self._finish(req, status)
+            updates.append(RequestUpdate(req, token, status is not None))
+        return updates
+
+    @staticmethod
+    def _check_stop(req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=0,
+            kv_cache_usage=bm.usage,
+            cpu_cache_usage=0.0,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+        )
