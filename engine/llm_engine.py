@@ -30,6 +30,7 @@ from kvpilot.engine.request import Request, RequestStatus
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from kvpilot.engine.stats import FinishedRequestStats, IterationStats
 from kvpilot.kernels import get_backend
 
 logger = logging.getLogger("kvpilot.engine")
@@ -106,8 +107,7 @@ class LLMEngine:
             self.model_dir, cfg, self.backend, self.dtype, self.device, max(self.max_model_len, 1)
         )
         self.sampler = Sampler(args.seed, self.device)
-        self.runner = ModelRunner(self.model, self.backend, self.device, args.block_size, self.sampler,
-                                  self.eos_token_id)
+        self.runner = ModelRunner(self.model, self.backend, self.device, args.block_size, self.sampler)
         self.kv_plan = self._plan_kv_pool()
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
         self.block_manager = BlockManager(self.kv_plan.num_blocks, args.block_size, args.enable_prefix_caching)
@@ -125,6 +125,8 @@ class LLMEngine:
         self._seq_owner: dict[str, _Tracked] = {}  # sequence id -> its user request
         self._seqs: dict[str, Request] = {}  # sequence id -> sequence
         self.num_steps = 0
+        # Callables (SchedulerStats, IterationStats) -> None, called after every step.
+        self.stat_loggers: list = []
         logger.info(
             "model %s (%s, %d layers, %d/%d heads), dtype %s, device %s, attention backend %s, "
             "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d; loaded in %.1fs",
@@ -287,17 +289,61 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of requests that finished (and, for streaming
         requests, of those that produced new tokens)."""
+        t0 = time.perf_counter()
+        preempted_before = self.scheduler.num_preemptions_total
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        t1 = time.perf_counter()
         result = self.runner.execute(sched_out)
+        t2 = time.perf_counter()
+        prev_token_time = {rid: self._seqs[rid].last_token_time for rid in result.req_ids}
         sampled = dict(zip(result.req_ids, result.token_ids, strict=True))
         updates = self.scheduler.update_from_output(sched_out, sampled)
         self.num_steps += 1
         for req_id, lp in zip(result.req_ids, result.logprobs, strict=True):
             if lp is not None:
                 self._seqs[req_id].logprobs.append(lp)
-        return self._process_updates(updates)
+        outputs = self._process_updates(updates)
+        if self.stat_loggers:
+            self._log_stats(sched_out, result, updates, prev_token_time, preempted_before, t0, t1, t2)
+        return outputs
+
+    def _log_stats(self, sched_out, result, updates, prev_token_time, preempted_before, t0, t1, t2) -> None:
+        num_sampled = len(result.req_ids)
+        stats = IterationStats(
+            num_batched_tokens=sched_out.num_batched_tokens,
+            # Decode tokens are single tokens past the prompt; everything else is (re)prefill.
+            num_prompt_tokens=sched_out.num_batched_tokens - sum(
+                1 for item in sched_out.scheduled
+                if len(item.token_ids) == 1 and item.start_pos >= len(item.prompt_token_ids)
+            ),
+            num_generation_tokens=num_sampled,
+            num_running_seqs=len(sched_out.scheduled),
+            num_preemptions=self.scheduler.num_preemptions_total - preempted_before,
+            schedule_s=t1 - t0,
+            prepare_s=result.prepare_s,
+            forward_s=result.forward_s,
+            sample_s=result.sample_s,
+            update_s=max(0.0, time.perf_counter() - t2),
+        )
+        for upd in updates:
+            req = upd.request
+            prev = prev_token_time.get(req.req_id)
+            if prev is None:
+                stats.time_to_first_tokens.append(req.first_token_time - req.arrival_time)
+            else:
+                stats.inter_token_latencies.append(req.last_token_time - prev)
+            if req.is_finished:
+                stats.finished.append(FinishedRequestStats(
+                    finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                    num_generation_tokens=req.num_output_tokens, arrival_time=req.arrival_time,
+                    scheduled_time=req.scheduled_time, first_token_time=req.first_token_time,
+                    finished_time=req.finished_time, num_preemptions=req.num_preemptions,
+                ))
+        sched_stats = self.scheduler.stats()
+        for logger_fn in self.stat_loggers:
+            logger_fn(sched_stats, stats)
 
     def _process_updates(self, updates) -> list[RequestOutput]:
         touched: dict[str, _Tracked] = {}

@@ -1,11 +1,12 @@
 """Runs one scheduler step on the model: flatten the batch, forward once, sample.
 
 The runner owns the model, the KV cache tensors and the sampler. It reads only the
-``SchedulerOutput`` (plus the engine's EOS id), so the same code can run in a worker process.
+``SchedulerOutput``, so the same code can run in a worker process.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,10 @@ class ModelRunnerOutput:
     req_ids: list[str]
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    # Wall time of the phases (seconds). On CUDA the forward is asynchronous: its time lands in sample_s.
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 @dataclass
@@ -71,14 +76,12 @@ class ModelRunner:
         device: torch.device,
         block_size: int,
         sampler: Sampler,
-        eos_token_id: int | None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.device = device
         self.block_size = block_size
         self.sampler = sampler
-        self.eos_token_id = eos_token_id
         self.kv_cache: KVCache | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> KVCache:
@@ -152,18 +155,24 @@ class ModelRunner:
             mapping = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
             layers = self.kv_cache.layers
             self.backend.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
+        t0 = time.perf_counter()
         inputs = self.prepare_inputs(out)
+        t1 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.metadata)
         sampling = [item for item in out.scheduled if item.do_sample]
         if not sampling:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], t1 - t0, time.perf_counter() - t1)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        t2 = time.perf_counter()
         rows = [
-            SamplingRow(item.sampling_params, item.prompt_token_ids, item.output_token_ids, self.eos_token_id)
+            SamplingRow(item.sampling_params, item.prompt_token_ids, item.output_token_ids, item.eos_token_id)
             for item in sampling
         ]
         sampled = self.sampler(logits, rows)
-        return ModelRunnerOutput([item.req_id for item in sampling], sampled.token_ids, sampled.logprobs)
+        return ModelRunnerOutput(
+            [item.req_id for item in sampling], sampled.token_ids, sampled.logprobs,
+            prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.perf_counter() - t2,
+        )
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int, max_num_seqs: int) -> None:

@@ -39,6 +39,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
@@ -95,7 +96,9 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=bool(raw.get("attention_bias", features.get("qkv_bias", False))),
+            # Qwen2 always has q/k/v biases and none on o_proj; elsewhere attention_bias covers all four.
+            qkv_bias=bool(features.get("qkv_bias", raw.get("attention_bias", False))),
+            o_bias=False if features.get("qkv_bias") else bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=features.get("qk_norm", False),
             sliding_window=sliding,
