@@ -14,6 +14,11 @@ from dataclasses import dataclass
 GiB = 1 << 30
 
 
+def format_bytes(n: int) -> str:
+    """``3.20 GiB`` / ``12.5 MiB``: GiB from 1 GiB up, MiB below."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
 class KVCacheSizeError(ValueError):
     """The configured memory cannot hold the KV cache the configuration needs."""
 
@@ -38,7 +43,7 @@ class KVPoolPlan:
     def describe(self, max_model_len: int) -> str:
         """The start-up line, e.g. ``KV cache: 3.20 GiB, 1,024 blocks x 16 tokens = 16,384 tokens; ...``."""
         return (
-            f"KV cache: {self.kv_bytes / GiB:.2f} GiB, {self.num_blocks:,} blocks x {self.block_size} tokens = "
+            f"KV cache: {format_bytes(self.kv_bytes)}, {self.num_blocks:,} blocks x {self.block_size} tokens = "
             f"{self.num_tokens:,} tokens; max concurrency at max_model_len {max_model_len:,}: "
             f"{self.num_tokens / max_model_len:.1f}x"
         )
@@ -93,13 +98,13 @@ def plan_kv_pool(
         else:
             how = (
                 f"raise gpu_memory_utilization (now {gpu_memory_utilization}; weights take "
-                f"{weights_bytes / GiB:.2f} GiB and activations {activation_bytes / GiB:.2f} GiB of the "
-                f"{budget_bytes / GiB:.2f} GiB budget)"
+                f"{format_bytes(weights_bytes)} and activations {format_bytes(activation_bytes)} of the "
+                f"{format_bytes(budget_bytes)} budget)"
             )
         raise KVCacheSizeError(
             f"the KV cache holds {num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens "
-            f"({plan.kv_bytes / GiB:.3f} GiB), but one request of max_model_len {max_model_len} needs "
-            f"{needed_blocks} blocks ({need / GiB:.3f} GiB). Fix: {how}, or lower max_model_len to at most "
+            f"({format_bytes(plan.kv_bytes)}), but one request of max_model_len {max_model_len} needs "
+            f"{needed_blocks} blocks ({format_bytes(need)}). Fix: {how}, or lower max_model_len to at most "
             f"{num_blocks * block_size}."
         )
     return plan
