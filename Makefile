@@ -18,12 +18,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[engine,operator,test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+# KVPILOT_REQUIRE_TOOLS=1: tests that need helm/kubectl/hadolint fail (instead of skipping) when absent.
+test: $(STAMP) test-operator-prereqs
+	KVPILOT_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .tools
+
+include mk/operator.mk

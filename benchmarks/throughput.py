@@ -36,13 +36,16 @@ class WorkItem:
     output_len: int
 
 
-def make_workload(num_requests: int, vocab_size: int, seed: int = 0, prompt_range=(32, 512),
-                  output_range=(16, 256)) -> list[WorkItem]:
+def make_workload(
+    num_requests: int, vocab_size: int, seed: int = 0, prompt_range=(32, 512), output_range=(16, 256)
+) -> list[WorkItem]:
     rng = random.Random(seed)
     items = []
     for _ in range(num_requests):
         plen = rng.randint(*prompt_range)
-        items.append(WorkItem([rng.randrange(5, vocab_size) for _ in range(plen)], rng.randint(*output_range)))
+        items.append(
+            WorkItem([rng.randrange(5, vocab_size) for _ in range(plen)], rng.randint(*output_range))
+        )
     return items
 
 
@@ -59,9 +62,16 @@ def ensure_model(args) -> str:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(block_size=16, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=False, dtype=args.dtype, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
-                max_model_len=1024, seed=0)
+    return dict(
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        dtype=args.dtype,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
+        max_model_len=1024,
+        seed=0,
+    )
 
 
 class StepRecorder:
@@ -71,8 +81,17 @@ class StepRecorder:
         self.steps = []
 
     def __call__(self, sched_stats, it) -> None:
-        self.steps.append((it.num_running_seqs, it.step_s, it.overhead_s, it.schedule_s, it.prepare_s,
-                           it.sample_s, it.update_s))
+        self.steps.append(
+            (
+                it.num_running_seqs,
+                it.step_s,
+                it.overhead_s,
+                it.schedule_s,
+                it.prepare_s,
+                it.sample_s,
+                it.update_s,
+            )
+        )
 
     def summary(self, min_running: int = 0) -> dict:
         rows = [s for s in self.steps if s[0] >= min_running]
@@ -98,23 +117,37 @@ def run_kvpilot(model: str, work: list[WorkItem], args, static: bool) -> dict:
     init_s = time.perf_counter() - t0
 
     def params(w):
-        return SamplingParams(temperature=0.0, max_tokens=w.output_len, min_tokens=w.output_len, ignore_eos=True)
+        return SamplingParams(
+            temperature=0.0, max_tokens=w.output_len, min_tokens=w.output_len, ignore_eos=True
+        )
 
     warm = make_workload(2, llm.llm_engine.model_config.vocab_size, seed=99)
-    llm.generate([{"prompt_token_ids": w.prompt_token_ids} for w in warm], [params(w) for w in warm], use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": w.prompt_token_ids} for w in warm], [params(w) for w in warm], use_tqdm=False
+    )
     recorder = StepRecorder()
     llm.llm_engine.stat_loggers.append(recorder)
     outs = []
     t0 = time.perf_counter()
-    batches = [work[i : i + args.batch_size] for i in range(0, len(work), args.batch_size)] if static else [work]
+    batches = (
+        [work[i : i + args.batch_size] for i in range(0, len(work), args.batch_size)] if static else [work]
+    )
     for batch in batches:
-        outs += llm.generate([{"prompt_token_ids": w.prompt_token_ids} for w in batch], [params(w) for w in batch],
-                             use_tqdm=False)
+        outs += llm.generate(
+            [{"prompt_token_ids": w.prompt_token_ids} for w in batch],
+            [params(w) for w in batch],
+            use_tqdm=False,
+        )
     elapsed = time.perf_counter() - t0
     got = [len(o.outputs[0].token_ids) for o in outs]
     assert got == [w.output_len for w in work], "output lengths differ from the workload"
-    return {"init_s": init_s, "elapsed_s": elapsed, "steps": llm.llm_engine.num_steps,
-            "overhead": recorder.summary(), "overhead_at_64_running": recorder.summary(min_running=64)}
+    return {
+        "init_s": init_s,
+        "elapsed_s": elapsed,
+        "steps": llm.llm_engine.num_steps,
+        "overhead": recorder.summary(),
+        "overhead_at_64_running": recorder.summary(min_running=64),
+    }
 
 
 def run_hf(model: str, work: list[WorkItem], args) -> dict:
@@ -132,12 +165,18 @@ def run_hf(model: str, work: list[WorkItem], args) -> dict:
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for j, w in enumerate(batch):
-            ids[j, width - len(w.prompt_token_ids):] = torch.tensor(w.prompt_token_ids)
-            mask[j, width - len(w.prompt_token_ids):] = 1
+            ids[j, width - len(w.prompt_token_ids) :] = torch.tensor(w.prompt_token_ids)
+            mask[j, width - len(w.prompt_token_ids) :] = 1
         longest = max(w.output_len for w in batch)
         with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                              do_sample=False, pad_token_id=pad)
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         assert out.shape[1] == width + longest
     return {"elapsed_s": time.perf_counter() - t0}
 
@@ -179,15 +218,22 @@ def main(argv: list[str] | None = None) -> int:
         r["total_tok_per_s"] = (prompt_tokens + output_tokens) / r["elapsed_s"]
         results[mode] = r
 
-    print(f"\nworkload: {len(work)} requests, {prompt_tokens:,} prompt + {output_tokens:,} output tokens; "
-          f"model {model}; dtype {args.dtype}; torch threads {torch.get_num_threads()}")
-    print(f"{'mode':12s} {'elapsed s':>10s} {'out tok/s':>10s} {'total tok/s':>12s} {'overhead':>9s} {'@>=64 seqs':>11s}")
+    print(
+        f"\nworkload: {len(work)} requests, {prompt_tokens:,} prompt + {output_tokens:,} output tokens; "
+        f"model {model}; dtype {args.dtype}; torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"{'mode':12s} {'elapsed s':>10s} {'out tok/s':>10s} {'total tok/s':>12s} "
+        f"{'overhead':>9s} {'@>=64 seqs':>11s}"
+    )
     for mode, r in results.items():
         ov = r.get("overhead", {}).get("overhead_share")
         ov64 = r.get("overhead_at_64_running", {}).get("overhead_share")
         fmt = lambda x: f"{100 * x:8.1f}%" if x is not None else f"{'-':>9s}"
-        print(f"{mode:12s} {r['elapsed_s']:10.2f} {r['output_tok_per_s']:10.1f} {r['total_tok_per_s']:12.1f} "
-              f"{fmt(ov)} {fmt(ov64):>11s}")
+        print(
+            f"{mode:12s} {r['elapsed_s']:10.2f} {r['output_tok_per_s']:10.1f} {r['total_tok_per_s']:12.1f} "
+            f"{fmt(ov)} {fmt(ov64):>11s}"
+        )
     if "continuous" in results:
         for other in ("static", "hf"):
             if other in results:
@@ -195,9 +241,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"continuous / {other}: {ratio:.2f}x")
     out = args.out or RESULTS / f"throughput-{Path(model).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"model": model, "dtype": args.dtype, "threads": torch.get_num_threads(),
-               "num_requests": len(work), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-               "batch_size": args.batch_size, "results": results}
+    summary = {
+        "model": model,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "num_requests": len(work),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "batch_size": args.batch_size,
+        "results": results,
+    }
     out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {out}")
     return 0

@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> None:
-        """Append one token. After a stop-string match, ``stop_string`` is set and later tokens are ignored."""
+        """Append one token. After a stop-string match ``stop_string`` is set; later tokens are ignored."""
         if self.stop_string is not None:
             return
         self._ids.append(token_id)

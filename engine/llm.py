@@ -47,7 +47,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
-                    f"got {len(params_list)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts; "
+                    "pass one, or one per prompt"
                 )
         engine = self.llm_engine
         request_ids = []
@@ -69,7 +70,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, formatted by the tokenizer's chat template."""
+        """Reply to one conversation or a list of them, formatted by the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -113,4 +114,6 @@ def _prompt_input(prompt: PromptType) -> str | list[int]:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"]
-    raise TypeError(f"a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got {prompt!r}")
+    raise TypeError(
+        f"a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got {prompt!r}"
+    )

@@ -93,10 +93,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
         if not args.enable_chunked_prefill:
-            max_batched = max(max_batched, self.max_model_len) if args.max_num_batched_tokens is None else max_batched
+            max_batched = (
+                max(max_batched, self.max_model_len) if args.max_num_batched_tokens is None else max_batched
+            )
             if max_batched < self.max_model_len:
                 raise ConfigError(
-                    f"without chunked prefill max_num_batched_tokens ({max_batched}) must be >= max_model_len "
+                    f"without chunked prefill max_num_batched_tokens ({max_batched}) must be >= "
+                    "max_model_len "
                     f"({self.max_model_len}); enable chunked prefill or raise it"
                 )
         self.max_num_batched_tokens = max_batched
@@ -110,7 +113,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.backend, self.device, args.block_size, self.sampler)
         self.kv_plan = self._plan_kv_pool()
         self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
-        self.block_manager = BlockManager(self.kv_plan.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.kv_plan.num_blocks, args.block_size, args.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -130,9 +135,18 @@ class LLMEngine:
         logger.info(
             "model %s (%s, %d layers, %d/%d heads), dtype %s, device %s, attention backend %s, "
             "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d; loaded in %.1fs",
-            self.model_dir, cfg.architecture, cfg.num_hidden_layers, cfg.num_attention_heads,
-            cfg.num_key_value_heads, str(self.dtype).removeprefix("torch."), self.device, self.backend.name,
-            self.max_model_len, args.max_num_seqs, max_batched, time.monotonic() - t0,
+            self.model_dir,
+            cfg.architecture,
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            self.backend.name,
+            self.max_model_len,
+            args.max_num_seqs,
+            max_batched,
+            time.monotonic() - t0,
         )
         logger.info(self.kv_plan.describe(self.max_model_len))
 
@@ -187,9 +201,13 @@ class LLMEngine:
             else:
                 budget = args.cpu_memory_budget_bytes or total_system_memory() // 2
                 activation = cpu_activation_estimate(
-                    tokens, cfg.hidden_size, cfg.intermediate_size,
+                    tokens,
+                    cfg.hidden_size,
+                    cfg.intermediate_size,
                     (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim,
-                    cfg.vocab_size, args.max_num_seqs, self.dtype.itemsize,
+                    cfg.vocab_size,
+                    args.max_num_seqs,
+                    self.dtype.itemsize,
                 )
         return plan_kv_pool(
             block_size=args.block_size,
@@ -220,13 +238,16 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._tracked:
             raise ValueError(f"duplicate request id {request_id!r}")
+        vocab = self.model_config.vocab_size
+        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}; got {bad_stops[:5]}")
         if isinstance(prompt, str):
             text = prompt
             token_ids = self.tokenizer.encode(prompt)
         else:
             text = None
             token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
@@ -256,28 +277,37 @@ class LLMEngine:
             raise
         detoks = [
             IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens, params.stop_strings,
+                self.tokenizer,
+                token_ids,
+                params.skip_special_tokens,
+                params.stop_strings,
                 params.include_stop_str_in_output,
             )
             for _ in seqs
         ]
-        tracked = _Tracked(request_id, text, token_ids, params, stream, seqs, detoks,
-                           pending_ids=[[] for _ in seqs])
+        tracked = _Tracked(
+            request_id, text, token_ids, params, stream, seqs, detoks, pending_ids=[[] for _ in seqs]
+        )
         self._tracked[request_id] = tracked
         for seq in seqs:
             self._seq_owner[seq.req_id] = tracked
             self._seqs[seq.req_id] = seq
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
-        """Abort requests now; their KV blocks are free when this returns. Unknown ids are ignored."""
+    def abort_request(self, request_ids: str | list[str]) -> int:
+        """Abort requests now; their KV blocks are free when this returns. Unknown ids are ignored.
+
+        Returns the number of sequences that were still unfinished and got aborted.
+        """
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        num_aborted = 0
         for rid in request_ids:
             tracked = self._tracked.get(rid)
             if tracked is None:
                 continue
-            self.scheduler.abort_requests(s.req_id for s in tracked.seqs)
+            num_aborted += len(self.scheduler.abort_requests(s.req_id for s in tracked.seqs))
             self._forget(tracked)
+        return num_aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
@@ -314,9 +344,14 @@ class LLMEngine:
         stats = IterationStats(
             num_batched_tokens=sched_out.num_batched_tokens,
             # Decode tokens are single tokens past the prompt; everything else is (re)prefill.
-            num_prompt_tokens=sched_out.num_batched_tokens - sum(
-                1 for item in sched_out.scheduled
+            num_prefill_tokens=sched_out.num_batched_tokens
+            - sum(
+                1
+                for item in sched_out.scheduled
                 if len(item.token_ids) == 1 and item.start_pos >= len(item.prompt_token_ids)
+            ),
+            num_prompt_tokens=sum(
+                u.request.num_prompt_tokens for u in updates if prev_token_time.get(u.request.req_id) is None
             ),
             num_generation_tokens=num_sampled,
             num_running_seqs=len(sched_out.scheduled),
@@ -335,12 +370,18 @@ class LLMEngine:
             else:
                 stats.inter_token_latencies.append(req.last_token_time - prev)
             if req.is_finished:
-                stats.finished.append(FinishedRequestStats(
-                    finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-                    num_generation_tokens=req.num_output_tokens, arrival_time=req.arrival_time,
-                    scheduled_time=req.scheduled_time, first_token_time=req.first_token_time,
-                    finished_time=req.finished_time, num_preemptions=req.num_preemptions,
-                ))
+                stats.finished.append(
+                    FinishedRequestStats(
+                        finish_reason=req.finish_reason,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_generation_tokens=req.num_output_tokens,
+                        arrival_time=req.arrival_time,
+                        scheduled_time=req.scheduled_time,
+                        first_token_time=req.first_token_time,
+                        finished_time=req.finished_time,
+                        num_preemptions=req.num_preemptions,
+                    )
+                )
         sched_stats = self.scheduler.stats()
         for logger_fn in self.stat_loggers:
             logger_fn(sched_stats, stats)
@@ -403,7 +444,9 @@ class LLMEngine:
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             scheduled_time=first.scheduled_time,
-            first_token_time=min((s.first_token_time for s in tracked.seqs if s.first_token_time), default=None),
+            first_token_time=min(
+                (s.first_token_time for s in tracked.seqs if s.first_token_time), default=None
+            ),
             last_token_time=max((s.last_token_time for s in tracked.seqs if s.last_token_time), default=None),
             finished_time=max((s.finished_time for s in tracked.seqs if s.finished_time), default=None),
             num_preemptions=sum(s.num_preemptions for s in tracked.seqs),

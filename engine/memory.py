@@ -43,7 +43,8 @@ class KVPoolPlan:
     def describe(self, max_model_len: int) -> str:
         """The start-up line, e.g. ``KV cache: 3.20 GiB, 1,024 blocks x 16 tokens = 16,384 tokens; ...``."""
         return (
-            f"KV cache: {format_bytes(self.kv_bytes)}, {self.num_blocks:,} blocks x {self.block_size} tokens = "
+            f"KV cache: {format_bytes(self.kv_bytes)}, {self.num_blocks:,} blocks x {self.block_size} "
+            "tokens = "
             f"{self.num_tokens:,} tokens; max concurrency at max_model_len {max_model_len:,}: "
             f"{self.num_tokens / max_model_len:.1f}x"
         )
@@ -54,7 +55,13 @@ def total_system_memory() -> int:
 
 
 def cpu_activation_estimate(
-    num_tokens: int, hidden: int, intermediate: int, qkv_size: int, vocab: int, num_seqs: int, dtype_bytes: int
+    num_tokens: int,
+    hidden: int,
+    intermediate: int,
+    qkv_size: int,
+    vocab: int,
+    num_seqs: int,
+    dtype_bytes: int,
 ) -> int:
     """Upper estimate of live activation bytes in one CPU forward of ``num_tokens`` tokens: the
     residual stream, norm output (float32 inside RMSNorm), fused qkv, attention output, gate/up and
@@ -87,7 +94,9 @@ def plan_kv_pool(
         budget = None
     else:
         budget = budget_bytes
-        available = int(gpu_memory_utilization * budget_bytes) - weights_bytes - activation_bytes - already_used_bytes
+        available = (
+            int(gpu_memory_utilization * budget_bytes) - weights_bytes - activation_bytes - already_used_bytes
+        )
         num_blocks = max(0, available) // bytes_per_block
     plan = KVPoolPlan(num_blocks, block_size, bytes_per_block, budget, weights_bytes, activation_bytes)
     needed_blocks = -(-max_model_len // block_size)

@@ -65,7 +65,14 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_size: int, dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+        return (
+            2
+            * num_layers
+            * block_size
+            * num_kv_heads
+            * head_size
+            * torch.empty((), dtype=dtype).element_size()
+        )
 
 
 class ModelRunner:
@@ -126,8 +133,10 @@ class ModelRunner:
                 num_decodes += 1
             else:
                 counting_decodes = False
-        tables = [item.block_table[:max_blocks] + [0] * (max_blocks - len(item.block_table[:max_blocks]))
-                  for item in out.scheduled]
+        tables = [
+            item.block_table[:max_blocks] + [0] * (max_blocks - len(item.block_table[:max_blocks]))
+            for item in out.scheduled
+        ]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -170,8 +179,12 @@ class ModelRunner:
         ]
         sampled = self.sampler(logits, rows)
         return ModelRunnerOutput(
-            [item.req_id for item in sampling], sampled.token_ids, sampled.logprobs,
-            prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.perf_counter() - t2,
+            [item.req_id for item in sampling],
+            sampled.token_ids,
+            sampled.logprobs,
+            prepare_s=t1 - t0,
+            forward_s=t2 - t1,
+            sample_s=time.perf_counter() - t2,
         )
 
     @torch.inference_mode()
@@ -183,8 +196,14 @@ class ModelRunner:
         num_reqs = max(1, min(max_num_seqs, num_tokens))
         per_req = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
         scratch_blocks = -(-max(per_req) // self.block_size)
-        k = torch.zeros(scratch_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
-                        device=self.device)
+        k = torch.zeros(
+            scratch_blocks,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=self.device,
+        )
         caches = [(k, k) for _ in range(cfg.num_hidden_layers)]
         qsl = [0]
         for n in per_req:

@@ -58,7 +58,9 @@ class Sampler:
         if any(k is not None for k in want_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        simple = all(r.params.is_greedy and not r.params.has_penalties and not r.params.min_tokens for r in rows)
+        simple = all(
+            r.params.is_greedy and not r.params.has_penalties and not r.params.min_tokens for r in rows
+        )
         if simple:
             token_ids = logits.argmax(dim=-1).tolist()
         else:

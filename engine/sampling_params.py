@@ -54,9 +54,13 @@ class SamplingParams:
             self.top_k = 0
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(
-            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -82,7 +86,9 @@ class SamplingParams:
             self.stop_strings = [self.stop]
         else:
             self.stop_strings = list(self.stop)
-        check(all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty strings")
+        check(
+            all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty strings"
+        )
         self.stop_token_ids = list(self.stop_token_ids or [])
         check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

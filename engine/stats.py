@@ -24,7 +24,8 @@ class IterationStats:
     """What one engine step did and how long its phases took (seconds)."""
 
     num_batched_tokens: int  # tokens fed to the model
-    num_prompt_tokens: int  # of which prefill (prompt or recomputed) tokens
+    num_prefill_tokens: int  # of which prefill tokens (prompt chunks, and recomputation after preemption)
+    num_prompt_tokens: int  # prompt lengths of the sequences that produced their first token this step
     num_generation_tokens: int  # tokens sampled
     num_running_seqs: int  # requests in the batch
     num_preemptions: int

@@ -24,11 +24,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    # Only the module of the chosen subcommand is imported (keeps start-up light); the other names
+    # get hidden placeholders so that `kvpilot --help` still parses.
+    wanted = SUBCOMMANDS.get(argv[0]) if argv else None
     loaded = set()
     for name, module_name in SUBCOMMANDS.items():
-        if wanted is not None and name != wanted:
-            # Only the module of the chosen subcommand is imported (keeps start-up light).
+        if wanted is not None and module_name != wanted:
             subparsers.add_parser(name, help=argparse.SUPPRESS)
             continue
         if module_name in loaded:

@@ -10,7 +10,9 @@ from kvpilot.engine.models.synthetic import SIZES, build_tokenizer
 from kvpilot.engine.models.synthetic import build_checkpoint as _build_checkpoint
 
 
-def build_checkpoint(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_checkpoint(
+    out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides
+) -> Path:
     """A ``test``-size random checkpoint of ``arch`` sharing the session tokenizer."""
     return _build_checkpoint(out_dir, tokenizer_dir, size="test", arch=arch, seed=seed, **overrides)
 

@@ -57,7 +57,7 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice | N
     if name == "model.norm.weight":
         return model.norm.weight, None
     if name == "lm_head.weight":
-        return (None if model.lm_head is None else (model.lm_head.weight, None))
+        return None if model.lm_head is None else (model.lm_head.weight, None)
     m = _LAYER.match(name)
     if m is None:
         return None
@@ -124,7 +124,8 @@ def load_model(
                 dst = param.data if rows is None else param.data[rows]
                 if dst.shape != tensor.shape:
                     raise ValueError(
-                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dst.shape)}"
                     )
                 dst.copy_(tensor)
                 filled[id(param)] = filled.get(id(param), 0) + tensor.shape[0]

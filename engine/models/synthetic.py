@@ -24,17 +24,54 @@ CHAT_TEMPLATE = (
 # name -> (LlamaConfig fields, tokenizer vocabulary size)
 SIZES = {
     # ~0.2M parameters: unit tests.
-    "test": (dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08), 1024),
+    "test": (
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            initializer_range=0.08,
+        ),
+        1024,
+    ),
     # ~7M parameters.
-    "10m": (dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, max_position_embeddings=2048), 8192),
+    "10m": (
+        dict(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=2048,
+        ),
+        8192,
+    ),
     # ~100M parameters.
-    "100m": (dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=4, max_position_embeddings=2048), 16384),
+    "100m": (
+        dict(
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            max_position_embeddings=2048,
+        ),
+        16384,
+    ),
     # ~1.2B parameters (GPU benchmarks).
-    "1b": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, max_position_embeddings=4096), 32000),
+    "1b": (
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=4096,
+        ),
+        32000,
+    ),
 }
 
 
@@ -107,7 +144,9 @@ def build_checkpoint(
     tok = transformers.AutoTokenizer.from_pretrained(out_dir)
     kwargs = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, **fields)
     kwargs.update(
-        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
     classes = {

@@ -27,10 +27,12 @@ def _prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 
 def _hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = hf_model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new_tokens, do_sample=False,
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +42,23 @@ def hf_llama(tiny_llama):
 
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_greedy_matches_transformers_in_one_chunked_batch(tiny_llama, hf_llama, block_size):
-    llm = LLM(str(tiny_llama), block_size=block_size, max_num_batched_tokens=32, num_gpu_blocks_override=512,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_llama),
+        block_size=block_size,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=512,
+        enable_prefix_caching=False,
+    )
     prompts = _prompts(llm.get_tokenizer(), 16)
     max_tokens = 24
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    )
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_token_ids == prompt
-        assert out.outputs[0].token_ids == _hf_greedy(hf_llama, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+        assert out.outputs[0].token_ids == _hf_greedy(hf_llama, prompt, max_tokens), (
+            f"prompt of {len(prompt)} tokens"
+        )
     # Chunked prefill really happened: the longest prompt needed several 32-token steps.
     assert max(len(p) for p in prompts) > 32
     assert llm.llm_engine.block_manager.num_free_blocks == 512
@@ -67,11 +77,22 @@ def _prompt_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
         for start in range(0, len(prompt), chunk):
             ids = prompt[start : start + chunk]
             assert bm.allocate_slots(req, len(ids))
-            item = ScheduledRequest("logits", ids, start, bm.get_block_table("logits"), False,
-                                    req.sampling_params, [], prompt, None)
+            item = ScheduledRequest(
+                "logits",
+                ids,
+                start,
+                bm.get_block_table("logits"),
+                False,
+                req.sampling_params,
+                [],
+                prompt,
+                None,
+            )
             inputs = runner.prepare_inputs(SchedulerOutput([item], len(ids)))
             with torch.inference_mode():
-                hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache.layers, inputs.metadata)
+                hidden = runner.model(
+                    inputs.input_ids, inputs.positions, runner.kv_cache.layers, inputs.metadata
+                )
                 rows.append(runner.model.compute_logits(hidden))
             req.num_computed_tokens += len(ids)
     finally:
@@ -105,9 +126,12 @@ def test_seeded_sampling_is_independent_of_batch_composition(tiny_llama):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16)
     alone = llm.generate(target, seeded)[0].outputs[0].token_ids
     others = [{"prompt_token_ids": p} for p in prompts]
-    mixed = llm.generate(others[:3] + [target] + others[4:],
-                         [SamplingParams(temperature=1.0, max_tokens=20)] * 3 + [seeded]
-                         + [SamplingParams(temperature=0.7, seed=7, max_tokens=9)] * 6)
+    mixed = llm.generate(
+        others[:3] + [target] + others[4:],
+        [SamplingParams(temperature=1.0, max_tokens=20)] * 3
+        + [seeded]
+        + [SamplingParams(temperature=0.7, seed=7, max_tokens=9)] * 6,
+    )
     assert mixed[3].outputs[0].token_ids == alone
     # A different seed gives a different sample (the seed is really used).
     other_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=4321, max_tokens=16)
@@ -119,9 +143,11 @@ def test_sampling_filters(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=16, num_gpu_blocks_override=64)
     prompt = {"prompt_token_ids": _prompts(llm.get_tokenizer(), 16)[9]}
     greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=10))[0].outputs[0].token_ids
-    for params in (SamplingParams(temperature=1.5, top_k=1, max_tokens=10),
-                   SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=10),
-                   SamplingParams(temperature=1.5, min_p=1.0, max_tokens=10)):
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1, max_tokens=10),
+        SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=10),
+        SamplingParams(temperature=1.5, min_p=1.0, max_tokens=10),
+    ):
         assert llm.generate(prompt, params)[0].outputs[0].token_ids == greedy, params
 
 
@@ -134,7 +160,9 @@ def test_stop_conditions(tiny_llama):
     # stop_token_ids: ends at the first occurrence of that token, which is kept in the token ids.
     stop_tok = full.token_ids[6]
     first = full.token_ids.index(stop_tok)
-    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_tok]))[0].outputs[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_tok]))[
+        0
+    ].outputs[0]
     assert out.token_ids == full.token_ids[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_tok)
 
@@ -146,9 +174,13 @@ def test_stop_conditions(tiny_llama):
         eos = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0]
         assert eos.token_ids == full.token_ids[: first + 1] and eos.finish_reason == "stop"
         assert eos.stop_reason is None
-        ignored = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+        ignored = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[
+            0
+        ].outputs[0]
         assert ignored.token_ids == full.token_ids and ignored.finish_reason == "length"
-        deferred = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=first + 2))[0]
+        deferred = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=first + 2))[
+            0
+        ]
         assert len(deferred.outputs[0].token_ids) >= first + 2
         assert stop_tok not in deferred.outputs[0].token_ids[: first + 2]
     finally:
@@ -162,8 +194,9 @@ def test_stop_conditions(tiny_llama):
     assert out.text == text[: text.index(needle)]
     assert (out.finish_reason, out.stop_reason) == ("stop", needle)
     assert len(out.token_ids) < 20
-    incl = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, stop=needle,
-                                               include_stop_str_in_output=True))[0].outputs[0]
+    incl = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=20, stop=needle, include_stop_str_in_output=True)
+    )[0].outputs[0]
     assert incl.text == text[: text.index(needle) + len(needle)]
     assert engine.block_manager.num_free_blocks == 128
 
@@ -179,12 +212,26 @@ def test_logprobs_and_penalties(tiny_llama):
         assert len(entry) == 3  # greedy: the sampled token is the top-1
         assert entry[tok] == pytest.approx(max(entry.values()))
         assert all(v <= 0 for v in entry.values())
-    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t] for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    )
     # A strong repetition penalty forbids repeating any token seen in prompt or output.
     plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0].token_ids
     assert len(set(plain)) < len(plain), "the tiny model repeats itself greedily"
-    penal = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=50.0,
-                                                frequency_penalty=2.0, presence_penalty=2.0))[0].outputs[0].token_ids
+    penal = (
+        llm.generate(
+            prompt,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=30,
+                repetition_penalty=50.0,
+                frequency_penalty=2.0,
+                presence_penalty=2.0,
+            ),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert len(set(penal)) == len(penal)
 
 
@@ -213,28 +260,39 @@ def test_other_architectures_match_transformers(tmp_path, tokenizer_dir, arch):
         assert hf.model.layers[0].self_attn.q_proj.bias is not None
     llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=256)
     prompts = _prompts(llm.get_tokenizer(), 6, seed=4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10)
+    )
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == _hf_greedy(hf, p, 10)
 
 
 def test_sharded_checkpoint_and_tied_embeddings(tmp_path, tokenizer_dir):
-    model_dir = build_checkpoint(tmp_path / "sharded", tokenizer_dir, seed=5, max_shard_size="100KB",
-                                 tie_word_embeddings=True)
+    model_dir = build_checkpoint(
+        tmp_path / "sharded", tokenizer_dir, seed=5, max_shard_size="100KB", tie_word_embeddings=True
+    )
     assert (model_dir / "model.safetensors.index.json").exists()
     assert len(list(model_dir.glob("*.safetensors"))) > 2
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(str(model_dir), block_size=8, num_gpu_blocks_override=128)
     assert llm.llm_engine.model.lm_head is None
     prompts = _prompts(llm.get_tokenizer(), 4, seed=6)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10)
+    )
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == _hf_greedy(hf, p, 10)
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path, tokenizer_dir):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 500000.0,
+    }
     model_dir = build_checkpoint(tmp_path / "llama3", tokenizer_dir, seed=7, rope_parameters=scaling)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(str(model_dir), block_size=16, num_gpu_blocks_override=64)

@@ -1,0 +1,392 @@
+"""Export the engine's statistics: Prometheus metrics (vLLM V1 names) and a periodic log line.
+
+Both are stat loggers: callables ``(SchedulerStats, IterationStats) -> None`` that the engine calls
+after every step, on the engine's thread. ``PrometheusStatLogger`` has two more entry points for state
+that changes outside a step (an abort that leaves the engine idle, a request that never reached the
+engine's finish path): ``observe_scheduler_stats`` and ``observe_aborted``.
+
+Semantics (per sequence, as vLLM V1 counts ``n > 1`` children):
+
+* ``prompt_tokens_total``: a sequence's prompt length, counted when its prefill completes (its first
+  token is sampled); ``request_prompt_tokens``: the same, observed when it finishes;
+* ``generation_tokens_total``: tokens sampled, counted every step;
+* ``request_success_total{finished_reason}``: finished sequences by reason (``abort`` included);
+* ``num_preemptions_total`` and the prefix-cache counters follow the scheduler's cumulative totals.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvpilot.engine import metrics_names as names
+from kvpilot.engine.scheduler import SchedulerStats
+from kvpilot.engine.stats import FinishedRequestStats, IterationStats
+
+GiB = 1 << 30
+
+# vLLM V1's buckets, so that dashboards built for vLLM read the same quantiles.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+def one_two_five_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (token-count histograms)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            value = m * scale
+            if value > limit:
+                return buckets
+            buckets.append(float(value))
+        scale *= 10
+
+
+def _label(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    return str(value)
+
+
+class PrometheusStatLogger:
+    """Prometheus metrics of one engine, in a registry of its own (``self.registry``).
+
+    ``cache_config`` and ``model_config`` become the labels of the two info metrics (keys as in
+    ``metrics_names.CACHE_CONFIG_LABELS`` / ``MODEL_CONFIG_LABELS``); ``max_model_len`` sizes the
+    token-count histograms.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        cache_config: dict[str, Any],
+        model_config: dict[str, Any],
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = registry = registry if registry is not None else CollectorRegistry()
+        label = [names.LABEL_MODEL_NAME]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, label, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name.removesuffix("_total"), doc, label, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Any:
+            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+
+        self.running = gauge(names.NUM_REQUESTS_RUNNING, "Number of sequences in model execution batches.")
+        self.waiting = gauge(names.NUM_REQUESTS_WAITING, "Number of sequences waiting to be processed.")
+        self.swapped = gauge(names.NUM_REQUESTS_SWAPPED, "Number of sequences swapped to CPU.")
+        self.kv_usage = gauge(names.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_usage_alias = gauge(
+            names.GPU_CACHE_USAGE_PERC, f"Deprecated alias of {names.KV_CACHE_USAGE_PERC}."
+        )
+        self.cpu_usage = gauge(names.CPU_CACHE_USAGE_PERC, "CPU swap-pool usage. 1 means 100 percent usage.")
+
+        self.preemptions = counter(names.NUM_PREEMPTIONS_TOTAL, "Cumulative number of preemptions.")
+        self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            names.GENERATION_TOKENS_TOTAL, "Number of generation tokens processed."
+        )
+        self.prefix_queries = counter(
+            names.PREFIX_CACHE_QUERIES_TOTAL, "Prefix-cache queries, in prompt tokens looked up."
+        )
+        self.prefix_hits = counter(
+            names.PREFIX_CACHE_HITS_TOTAL, "Prefix-cache hits, in prompt tokens found."
+        )
+        success = Counter(
+            names.REQUEST_SUCCESS_TOTAL.removesuffix("_total"),
+            "Count of finished sequences by finish reason.",
+            [names.LABEL_MODEL_NAME, names.LABEL_FINISHED_REASON],
+            registry=registry,
+        )
+        self.success = {reason: success.labels(model_name, reason) for reason in names.FINISHED_REASONS}
+
+        self.ttft = histogram(
+            names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            names.INTER_TOKEN_LATENCY_SECONDS, "Inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            names.E2E_REQUEST_LATENCY_SECONDS,
+            "End-to-end request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            names.REQUEST_QUEUE_TIME_SECONDS,
+            "Time spent waiting before first scheduled.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            names.REQUEST_PREFILL_TIME_SECONDS,
+            "Time from first scheduled to first token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            names.REQUEST_DECODE_TIME_SECONDS, "Time from first token to finish.", REQUEST_LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            names.REQUEST_INFERENCE_TIME_SECONDS,
+            "Time from first scheduled to finish.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        token_buckets = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            names.REQUEST_PROMPT_TOKENS, "Prompt length of finished sequences.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            names.REQUEST_GENERATION_TOKENS, "Generated length of finished sequences.", token_buckets
+        )
+        iteration_buckets = sorted(
+            {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384} | {max_num_batched_tokens}
+        )
+        self.iteration_tokens = histogram(
+            names.ITERATION_TOKENS_TOTAL,
+            "Tokens processed per engine step.",
+            [float(b) for b in iteration_buckets if b <= max_num_batched_tokens],
+        )
+
+        cache_info = Gauge(
+            names.CACHE_CONFIG_INFO,
+            "Information of the KV-cache configuration.",
+            list(names.CACHE_CONFIG_LABELS),
+            registry=registry,
+        )
+        cache_info.labels(**{k: _label(cache_config.get(k)) for k in names.CACHE_CONFIG_LABELS}).set(1)
+        model_info = Gauge(
+            names.MODEL_CONFIG_INFO,
+            "Model shape and parallelism of this engine.",
+            list(names.MODEL_CONFIG_LABELS),
+            registry=registry,
+        )
+        model_info.labels(**{k: _label(model_config.get(k)) for k in names.MODEL_CONFIG_LABELS}).set(1)
+
+        # Cumulative scheduler totals already exported (monotonic high-water marks).
+        self._seen_preemptions = 0
+        self._seen_prefix_queries = 0
+        self._seen_prefix_hits = 0
+
+    @classmethod
+    def from_engine(
+        cls, engine, model_name: str, registry: CollectorRegistry | None = None
+    ) -> PrometheusStatLogger:
+        """Build the exporter for an ``LLMEngine`` (reads its KV plan, arguments and model shape)."""
+        args = engine.args
+        plan = engine.kv_plan
+        num_cpu_blocks = getattr(engine, "num_cpu_blocks", None)
+        if num_cpu_blocks is None:
+            is_swap = args.preemption_mode == "swap"
+            num_cpu_blocks = int(args.swap_space * GiB) // plan.bytes_per_block if is_swap else 0
+        cfg = engine.model_config
+        dtype = str(engine.dtype).removeprefix("torch.")
+        cache_config = {
+            "block_size": plan.block_size,
+            "num_gpu_blocks": plan.num_blocks,
+            "num_cpu_blocks": num_cpu_blocks,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "preemption_mode": args.preemption_mode,
+            "swap_space_bytes": int(args.swap_space * GiB),
+            "num_gpu_blocks_override": args.num_gpu_blocks_override,
+            "cache_dtype": dtype,
+        }
+        model_config = {
+            "architecture": cfg.architecture,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "head_dim": cfg.head_dim,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
+            "max_model_len": engine.max_model_len,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": engine.max_num_batched_tokens,
+            "dtype": dtype,
+        }
+        return cls(
+            model_name,
+            cache_config=cache_config,
+            model_config=model_config,
+            max_model_len=engine.max_model_len,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            registry=registry,
+        )
+
+    # ------------------------------------------------------------------ entry points
+    def __call__(self, sched: SchedulerStats, it: IterationStats) -> None:
+        """Record one engine step."""
+        self.observe_scheduler_stats(sched)
+        if it.num_prompt_tokens:
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.inc(it.num_generation_tokens)
+        self.iteration_tokens.observe(it.num_batched_tokens)
+        for value in it.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in it.inter_token_latencies:
+            self.itl.observe(value)
+        for fin in it.finished:
+            self._observe_finished(fin)
+
+    def observe_scheduler_stats(self, sched: SchedulerStats) -> None:
+        """Refresh the gauges and scheduler-cumulative counters (also called between steps)."""
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.swapped.set(sched.num_swapped)
+        self.kv_usage.set(sched.kv_cache_usage)
+        self.gpu_usage_alias.set(sched.kv_cache_usage)
+        self.cpu_usage.set(sched.cpu_cache_usage)
+        self._seen_preemptions = self._advance(
+            self.preemptions, self._seen_preemptions, sched.num_preemptions_total
+        )
+        self._seen_prefix_queries = self._advance(
+            self.prefix_queries, self._seen_prefix_queries, sched.prefix_cache_queries
+        )
+        self._seen_prefix_hits = self._advance(
+            self.prefix_hits, self._seen_prefix_hits, sched.prefix_cache_hits
+        )
+
+    def observe_aborted(self, num_seqs: int) -> None:
+        """Count ``num_seqs`` sequences aborted from outside the engine (client gone)."""
+        if num_seqs > 0:
+            self.success["abort"].inc(num_seqs)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _advance(counter, seen: int, total: int) -> int:
+        # The scheduler's totals may dip transiently (an admission undone within a step); export only
+        # growth past the high-water mark so that the counter never double counts.
+        if total > seen:
+            counter.inc(total - seen)
+            return total
+        return seen
+
+    def _observe_finished(self, fin: FinishedRequestStats) -> None:
+        success = self.success.get(fin.finish_reason)
+        if success is not None:
+            success.inc()
+        self.request_prompt_tokens.observe(fin.num_prompt_tokens)
+        self.request_generation_tokens.observe(fin.num_generation_tokens)
+        self.e2e.observe(max(0.0, fin.finished_time - fin.arrival_time))
+        if fin.scheduled_time is not None:
+            self.queue_time.observe(max(0.0, fin.scheduled_time - fin.arrival_time))
+            self.inference_time.observe(max(0.0, fin.finished_time - fin.scheduled_time))
+            if fin.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, fin.first_token_time - fin.scheduled_time))
+        if fin.first_token_time is not None:
+            self.decode_time.observe(max(0.0, fin.finished_time - fin.first_token_time))
+
+
+class LoggingStatLogger:
+    """Logs throughput and cache state every ``interval_s`` seconds while the engine is busy, e.g.
+    ``prompt 412.0 tok/s, generation 96.3 tok/s, running 12, waiting 0, KV cache 41.2%, ...``."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+        self._prompt = 0
+        self._generation = 0
+        self._preemptions_at_last = 0
+
+    def __call__(self, sched: SchedulerStats, it: IterationStats) -> None:
+        self._prompt += it.num_prefill_tokens
+        self._generation += it.num_generation_tokens
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        elapsed = now - self._last
+        hit_rate = sched.prefix_cache_hits / sched.prefix_cache_queries if sched.prefix_cache_queries else 0.0
+        self.logger.info(
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
+            "prefix-cache hit rate %.1f%%, preemptions %d (+%d)",
+            self._prompt / elapsed,
+            self._generation / elapsed,
+            sched.num_running,
+            sched.num_waiting,
+            100.0 * sched.kv_cache_usage,
+            100.0 * hit_rate,
+            sched.num_preemptions_total,
+            sched.num_preemptions_total - self._preemptions_at_last,
+        )
+        self._last = now
+        self._prompt = self._generation = 0
+        self._preemptions_at_last = sched.num_preemptions_total

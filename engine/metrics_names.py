@@ -1,0 +1,136 @@
+"""The names of every metric the engine exports: the one place they are spelled (DESIGN §4).
+
+Dependency-free on purpose: the operator imports this module to read ``/metrics`` and must not pull
+in prometheus-client, torch or transformers. Names are the *exposed* names, exactly as they appear in
+the Prometheus text format (counters carry their ``_total`` suffix; histograms expose
+``<name>_bucket`` / ``<name>_sum`` / ``<name>_count``).
+
+Metrics are vLLM V1's, labelled ``model_name`` (the first ``--served-model-name``); info metrics carry
+no ``model_name`` label. Renames have broken autoscalers before, so the deprecated spellings that
+clients still query are listed in ``DEPRECATED_ALIASES``; readers should use ``canonical_name``.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------------------- labels
+LABEL_MODEL_NAME = "model_name"
+LABEL_FINISHED_REASON = "finished_reason"
+# Values of ``finished_reason`` (one series each, present from start-up at 0).
+FINISHED_REASONS = ("stop", "length", "abort")
+
+# ---------------------------------------------------------------------------------------------- gauges
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"  # sequences queued, preempted ones included
+NUM_REQUESTS_SWAPPED = "vllm:num_requests_swapped"
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # fraction 0..1 of KV blocks held by live sequences
+CPU_CACHE_USAGE_PERC = "vllm:cpu_cache_usage_perc"  # fraction 0..1 of the CPU swap pool in use
+
+# ---------------------------------------------------------------------------------------------- counters
+NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
+PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
+REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"  # labelled finished_reason
+PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"  # prompt tokens looked up
+PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"  # prompt tokens found
+
+# ---------------------------------------------------------------------------------------------- histograms
+TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
+E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME_SECONDS = "vllm:request_queue_time_seconds"
+REQUEST_PREFILL_TIME_SECONDS = "vllm:request_prefill_time_seconds"
+REQUEST_DECODE_TIME_SECONDS = "vllm:request_decode_time_seconds"
+REQUEST_INFERENCE_TIME_SECONDS = "vllm:request_inference_time_seconds"
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+ITERATION_TOKENS_TOTAL = "vllm:iteration_tokens_total"  # a histogram despite the suffix (vLLM's name)
+
+# ---------------------------------------------------------------------------------------------- info
+# Value 1; the configuration is in the labels (CACHE_CONFIG_LABELS / MODEL_CONFIG_LABELS).
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+# Not a vLLM metric: the model's shape, so the operator can pick valid parallel sizes
+# (tensor_parallel_size must divide num_key_value_heads and num_attention_heads).
+MODEL_CONFIG_INFO = "kvpilot:model_config_info"
+
+CACHE_CONFIG_LABELS = (
+    "block_size",
+    "num_gpu_blocks",
+    "num_cpu_blocks",
+    "gpu_memory_utilization",
+    "enable_prefix_caching",
+    "preemption_mode",
+    "swap_space_bytes",
+    "num_gpu_blocks_override",
+    "cache_dtype",
+)
+MODEL_CONFIG_LABELS = (
+    "architecture",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "head_dim",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "dtype",
+)
+
+# ---------------------------------------------------------------------------------------------- aliases
+# Deprecated (vLLM V0 / early V1) spelling -> current name. The engine also exports the KV-usage alias
+# (EXPORTED_ALIASES), which autoscaler configurations in the wild still query.
+DEPRECATED_ALIASES = {
+    "vllm:gpu_cache_usage_perc": KV_CACHE_USAGE_PERC,
+    "vllm:gpu_prefix_cache_queries_total": PREFIX_CACHE_QUERIES_TOTAL,
+    "vllm:gpu_prefix_cache_hits_total": PREFIX_CACHE_HITS_TOTAL,
+    "vllm:time_per_output_token_seconds": INTER_TOKEN_LATENCY_SECONDS,
+}
+GPU_CACHE_USAGE_PERC = "vllm:gpu_cache_usage_perc"
+EXPORTED_ALIASES = (GPU_CACHE_USAGE_PERC,)
+
+GAUGES = (
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    NUM_REQUESTS_SWAPPED,
+    KV_CACHE_USAGE_PERC,
+    CPU_CACHE_USAGE_PERC,
+)
+COUNTERS = (
+    NUM_PREEMPTIONS_TOTAL,
+    PROMPT_TOKENS_TOTAL,
+    GENERATION_TOKENS_TOTAL,
+    REQUEST_SUCCESS_TOTAL,
+    PREFIX_CACHE_QUERIES_TOTAL,
+    PREFIX_CACHE_HITS_TOTAL,
+)
+HISTOGRAMS = (
+    TIME_TO_FIRST_TOKEN_SECONDS,
+    INTER_TOKEN_LATENCY_SECONDS,
+    E2E_REQUEST_LATENCY_SECONDS,
+    REQUEST_QUEUE_TIME_SECONDS,
+    REQUEST_PREFILL_TIME_SECONDS,
+    REQUEST_DECODE_TIME_SECONDS,
+    REQUEST_INFERENCE_TIME_SECONDS,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_GENERATION_TOKENS,
+    ITERATION_TOKENS_TOTAL,
+)
+INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO)
+ALL_METRICS = GAUGES + COUNTERS + HISTOGRAMS + INFO
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def canonical_name(name: str) -> str:
+    """The current name of ``name`` (itself when it is not a deprecated alias)."""
+    return DEPRECATED_ALIASES.get(name, name)
+
+
+def base_name(sample_name: str) -> str:
+    """The metric a sample belongs to: ``vllm:e2e_request_latency_seconds_count`` ->
+    ``vllm:e2e_request_latency_seconds``; counters and gauges are returned unchanged."""
+    for suffix in HISTOGRAM_SUFFIXES:
+        stem = sample_name.removesuffix(suffix)
+        if stem != sample_name and stem in HISTOGRAMS:
+            return stem
+    return sample_name

@@ -1,0 +1,156 @@
+"""The FastAPI application: OpenAI endpoints under ``/v1`` (API key protected when one is set) plus the
+open operational endpoints ``/health``, ``/metrics`` and ``/version``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvpilot import __version__
+from kvpilot.engine.server import protocol
+from kvpilot.engine.server.chat import create_chat_completion
+from kvpilot.engine.server.completions import create_completion
+from kvpilot.engine.server.errors import APIError, ClientDisconnected, error_body
+from kvpilot.engine.server.serving import ServerState
+
+logger = logging.getLogger("kvpilot.server")
+
+REQUEST_ID_HEADER = "x-request-id"
+_SAFE_REQUEST_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")
+# nginx's code for "client closed the request": shows up in access logs; nobody receives it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ServerMiddleware:
+    """Pure ASGI middleware (no buffering, so streaming and disconnects pass straight through):
+    checks the API key on ``/v1`` paths and echoes ``X-Request-Id`` (the client's, or a new one)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        given = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        request_id = given if _SAFE_REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        id_header = (REQUEST_ID_HEADER.encode(), request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), id_header]
+            await send(message)
+
+        path = scope["path"]
+        if path == "/v1" or path.startswith("/v1/"):
+            authorization = headers.get(b"authorization")
+            error = self.state.check_api_key(authorization.decode("latin-1") if authorization else None)
+            if error is not None:
+                await error.response()(scope, receive, send_with_id)
+                return
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The application over ``state``; its lifespan starts and stops the engine loop."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.engine.shutdown()
+
+    app = FastAPI(title="kvpilot", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.add_middleware(ServerMiddleware, state=state)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        if exc.status >= 500 and exc.code != "server_overloaded":  # overload is routine: no log flood
+            logger.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return exc.response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(
+            error_body(str(exc.detail), "invalid_request_error", code=code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(f"internal server error: {type(exc).__name__}", "server_error", code="internal_error"),
+            status_code=500,
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.is_healthy:
+            return Response(status_code=200)
+        return JSONResponse(
+            error_body(state.engine.health_detail, "server_error", code="engine_dead"), status_code=503
+        )
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(state, name) for name in state.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict:
+        return _model_card(state, state.resolve_model(model))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(state, await protocol.read_json_body(request), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(state, await protocol.read_json_body(request), request)
+
+    return app
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "kvpilot",
+        "root": state.model_dir,
+        "parent": None,
+        "max_model_len": state.max_model_len,
+    }

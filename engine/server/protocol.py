@@ -1,0 +1,322 @@
+"""Request bodies: parse, type-check and turn into ``SamplingParams``.
+
+Bodies are parsed here rather than by FastAPI so that every failure is a 4xx in OpenAI's shape with a
+precise message: a body over the size limit (413), bytes that are not UTF-8, malformed JSON, ``NaN``
+or ``Infinity`` literals, strings with lone surrogates, and fields of the wrong type (400). Types are
+checked strictly (``"16"`` is not an integer); value ranges are checked once, by ``SamplingParams``.
+Unknown fields are ignored with a warning, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from kvpilot.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request, not_supported
+
+logger = logging.getLogger("kvpilot.server")
+
+MAX_BODY_BYTES = 16 << 20  # far beyond any prompt a max_model_len admits; stops memory abuse
+MAX_N = 128
+MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+_warned_fields: set[str] = set()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+async def read_json_body(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """The request's JSON object; raises ``APIError`` (413 / 400) for anything else."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected from None
+    return parse_json_object(b"".join(chunks))
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413, f"the request body has {size} bytes or more; the limit is {limit}", code="request_too_large"
+    )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Decode UTF-8 and JSON strictly; the top level must be an object."""
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(
+            f"the request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+            code="invalid_encoding",
+        ) from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise bad_request(
+            f"the request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
+            code="invalid_json",
+        ) from None
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request(
+            f"the request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
+        )
+    _check_strings(obj, "")
+    return obj
+
+
+def _check_strings(value: Any, path: str) -> None:
+    """Reject strings that cannot be encoded as UTF-8 (JSON escapes of lone surrogates)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(
+                f"{path or 'a string'} contains an unpaired surrogate (not valid Unicode)",
+                param=path or None,
+                code="invalid_encoding",
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, path)
+            _check_strings(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{path}[{i}]")
+
+
+def validate(model: type[BaseModel], obj: dict[str, Any]) -> Any:
+    """``model`` validated from ``obj``; a 400 naming the first bad field otherwise."""
+    try:
+        req = model.model_validate(obj)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        param = _loc(errors[0]["loc"])
+        details: dict[str, str] = {}
+        for err in errors:
+            where = _loc(err["loc"]) or "body"
+            top = where.split("[", 1)[0].split(".", 1)[0]
+            if top in _UNION_HINTS:
+                details.setdefault(top, f"must be {_UNION_HINTS[top]}")
+            else:
+                details.setdefault(where, err["msg"])
+        text = "; ".join(f"{where}: {msg}" for where, msg in list(details.items())[:5])
+        raise bad_request(f"invalid request: {text}", param=param.split("[", 1)[0] or None) from None
+    for name in req.model_extra or {}:
+        if name not in _warned_fields:
+            _warned_fields.add(name)
+            logger.warning("ignoring unsupported request field %r", name)
+    return req
+
+
+def _loc(loc: tuple) -> str:
+    """``('messages', 0, 'content', 'list[ContentPart]', 1, 'type')`` -> ``messages[0].content[1].type``:
+    pydantic's union-branch markers are dropped so that the param reads like the API's."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _UNION_TAGS:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+# Fields whose type is a union: one plain description beats pydantic's error per branch.
+_UNION_HINTS = {
+    "prompt": "a string, an array of strings, an array of token ids or an array of token-id arrays",
+    "stop": "a string or an array of strings",
+}
+_UNION_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "none",
+    "StreamOptions",
+    "ContentPart",
+    "ChatMessage",
+}
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+# Generation-config keys (Hugging Face) that may set request defaults, and their SamplingParams names.
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    """Reject OpenAI features this engine does not implement (a silent no-op would mislead)."""
+    if req.logit_bias:
+        raise not_supported("logit_bias", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be set when stream is true", param="stream_options")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise not_supported("suffix", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise not_supported("best_of other than n", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise not_supported("echo together with logprobs (prompt logprobs)", "echo")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools and req.tool_choice != "none":
+            raise not_supported("tool calling", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise not_supported(f"response_format {req.response_format.get('type')!r}", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+
+def to_sampling_params(
+    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]
+) -> SamplingParams:
+    """The engine's ``SamplingParams``; request values win over ``defaults`` (the model's generation
+    config). Raises a 400 naming the parameter when a value is out of range."""
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            seed=req.seed,
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except SamplingParamsError as exc:
+        message = str(exc)
+        param = message.split(" ", 1)[0]
+        raise bad_request(message, param=param if param in type(req).model_fields else None) from None
+
+
+def default_max_tokens(req: _SamplingFields, defaults: dict[str, Any]) -> int | None:
+    """The request's output cap before the context check (None: whatever room the prompt leaves)."""
+    if isinstance(req, ChatCompletionRequest):
+        value = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return value if value is not None else defaults.get("max_tokens")
+    if "max_tokens" in req.model_fields_set:
+        return req.max_tokens
+    return defaults.get("max_tokens", req.max_tokens)
+
+
+def request_logprobs(req: _SamplingFields) -> int | None:
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def max_tokens_param(req: _SamplingFields) -> str:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"

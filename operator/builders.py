@@ -1,0 +1,203 @@
+"""Pure manifest builders: one InferenceService (plus its effective config) -> child objects.
+
+``build_children(isvc, effective)`` is what the operator applies and what ``kvpilot render``
+prints. Each child carries the recommended labels, an owner reference to the InferenceService
+(when the object has a uid, i.e. it was read from a cluster) and a hash of its own desired state
+in ``serving.kvpilot.io/config-hash``: equal hashes mean there is nothing to write.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+from kvpilot.operator import names
+from kvpilot.operator.effective import Effective
+from kvpilot.operator.podspec import build_pod_spec
+from kvpilot.operator.spec import apply_defaults
+
+# A rollout stalls for real only after the startup probe's whole budget has passed.
+PROGRESS_DEADLINE_MARGIN_S = 600
+
+
+def content_hash(obj: Any) -> str:
+    """A short, stable hash of a JSON-serialisable value."""
+    encoded = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(encoded).hexdigest()[:16]
+
+
+def selector_labels(isvc: dict[str, Any]) -> dict[str, str]:
+    """The immutable Deployment selector (also the Service's and PDB's)."""
+    return {names.LABEL_ISVC: isvc["metadata"]["name"], names.LABEL_COMPONENT: names.COMPONENT}
+
+
+def selector_string(isvc: dict[str, Any]) -> str:
+    """``status.selector`` for the scale subresource (what HPA and ``kubectl scale`` read)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(isvc).items()))
+
+
+def common_labels(isvc: dict[str, Any]) -> dict[str, str]:
+    """Labels every child carries."""
+    return {
+        names.LABEL_NAME: names.ENGINE_NAME,
+        names.LABEL_INSTANCE: isvc["metadata"]["name"],
+        names.LABEL_COMPONENT: names.COMPONENT,
+        names.LABEL_PART_OF: "kvpilot",
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
+        names.LABEL_ISVC: isvc["metadata"]["name"],
+    }
+
+
+def owner_reference(isvc: dict[str, Any]) -> dict[str, Any]:
+    """The controller reference that ties a child's lifetime to the InferenceService."""
+    meta = isvc["metadata"]
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(isvc: dict[str, Any], api_version: str, kind: str) -> dict[str, Any]:
+    meta = isvc["metadata"]
+    metadata: dict[str, Any] = {"name": meta["name"]}
+    if meta.get("namespace"):
+        metadata["namespace"] = meta["namespace"]
+    metadata["labels"] = common_labels(isvc)
+    obj: dict[str, Any] = {"apiVersion": api_version, "kind": kind, "metadata": metadata}
+    if meta.get("uid"):
+        obj["metadata"]["ownerReferences"] = [owner_reference(isvc)]
+    return obj
+
+
+def _with_hash(obj: dict[str, Any]) -> dict[str, Any]:
+    obj = copy.deepcopy(obj)
+    obj["metadata"].setdefault("annotations", {})[names.ANNOTATION_CONFIG_HASH] = content_hash(obj)
+    return obj
+
+
+def build_deployment(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
+    """The engine Deployment: ``effective.replicas`` pods running ``kvpilot serve``."""
+    spec = apply_defaults(isvc["spec"])
+    pod = spec.get("pod") or {}
+    pod_spec = build_pod_spec(spec, effective)
+    pod_labels = {**(pod.get("labels") or {}), **common_labels(isvc)}
+    pod_annotations = {
+        **(pod.get("annotations") or {}),
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(names.HTTP_PORT),
+        "prometheus.io/path": names.METRICS_PATH,
+        "kubectl.kubernetes.io/default-container": names.ENGINE_CONTAINER,
+    }
+    template = {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec}
+    template["metadata"]["labels"][names.LABEL_TEMPLATE_HASH] = content_hash(template)
+    deployment = _metadata(isvc, "apps/v1", "Deployment")
+    deployment["spec"] = {
+        "replicas": effective.replicas,
+        "revisionHistoryLimit": 3,
+        "progressDeadlineSeconds": int(spec["probes"]["startupTimeoutSeconds"]) + PROGRESS_DEADLINE_MARGIN_S,
+        "selector": {"matchLabels": selector_labels(isvc)},
+        # The defaults (maxSurge 0, maxUnavailable 1) replace pods in place: a rollout needs no
+        # spare GPU, at the price of one replica less while each new pod loads its model.
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {
+                "maxSurge": spec["rollout"]["maxSurge"],
+                "maxUnavailable": spec["rollout"]["maxUnavailable"],
+            },
+        },
+        "template": template,
+    }
+    return _with_hash(deployment)
+
+
+def build_service(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
+    """The ClusterIP Service in front of the engine pods (port ``http``, 8000)."""
+    service = _metadata(isvc, "v1", "Service")
+    service["spec"] = {
+        "type": "ClusterIP",
+        "selector": selector_labels(isvc),
+        "ports": [
+            {
+                "name": names.HTTP_PORT_NAME,
+                "port": names.HTTP_PORT,
+                "targetPort": names.HTTP_PORT_NAME,
+                "protocol": "TCP",
+                "appProtocol": "http",
+            }
+        ],
+    }
+    return _with_hash(service)
+
+
+def build_pdb(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
+    """A PodDisruptionBudget: node drains evict at most one engine pod at a time."""
+    pdb = _metadata(isvc, "policy/v1", "PodDisruptionBudget")
+    pdb["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(isvc)}}
+    return _with_hash(pdb)
+
+
+def build_service_monitor(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
+    """A Prometheus Operator ServiceMonitor scraping ``/metrics`` on every engine pod."""
+    spec = apply_defaults(isvc["spec"])
+    settings = spec["monitoring"]["serviceMonitor"]
+    monitor = _metadata(isvc, "monitoring.coreos.com/v1", "ServiceMonitor")
+    monitor["metadata"]["labels"].update(settings.get("labels") or {})
+    monitor["spec"] = {
+        "selector": {"matchLabels": selector_labels(isvc)},
+        "endpoints": [
+            {"port": names.HTTP_PORT_NAME, "path": names.METRICS_PATH, "interval": settings["interval"]}
+        ],
+    }
+    return _with_hash(monitor)
+
+
+def service_monitor_enabled(isvc: dict[str, Any]) -> bool:
+    """Whether ``spec.monitoring.serviceMonitor.enabled`` asks for a ServiceMonitor."""
+    return bool(apply_defaults(isvc["spec"])["monitoring"]["serviceMonitor"]["enabled"])
+
+
+def build_children(isvc: dict[str, Any], effective: Effective) -> list[dict[str, Any]]:
+    """Every child object of ``isvc``, in apply order. The spec must have passed validation."""
+    children = [
+        build_deployment(isvc, effective),
+        build_service(isvc, effective),
+        build_pdb(isvc, effective),
+    ]
+    if service_monitor_enabled(isvc):
+        children.append(build_service_monitor(isvc, effective))
+    return children
+
+
+def build_event(
+    isvc: dict[str, Any], type_: str, reason: str, message: str, now: str, suffix: str
+) -> dict[str, Any]:
+    """A core/v1 Event about ``isvc`` (``now``: an RFC 3339 time; ``suffix`` makes the name unique)."""
+    meta = isvc["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{suffix}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": names.API_VERSION,
+            "kind": names.KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid", ""),
+            "resourceVersion": meta.get("resourceVersion", ""),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": names.MANAGED_BY},
+        "reportingComponent": f"{names.GROUP}/operator",
+        "reportingInstance": names.MANAGED_BY,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }

@@ -1,0 +1,171 @@
+"""``kvpilot operator`` (run the kopf operator) and ``kvpilot render`` (print the children).
+
+``add_parser(subparsers)`` registers both subcommands; kopf is imported only when the operator
+actually starts, so ``kvpilot render`` works wherever PyYAML does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import yaml
+
+from kvpilot.operator import names
+
+_GLOB_CHARS = set("*?[]!")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``operator`` and ``render`` subcommands to the ``kvpilot`` parser."""
+    op = subparsers.add_parser(
+        "operator",
+        help="run the Kubernetes operator that reconciles InferenceServices",
+        description="Run the kopf operator: each InferenceService becomes an engine Deployment, "
+        "a Service and a PodDisruptionBudget.",
+    )
+    scope = op.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        dest="namespaces",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="serve InferenceServices in this namespace (repeatable)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
+    op.add_argument(
+        "--resync-interval",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="re-check every InferenceService's children this often (default: 300)",
+    )
+    op.add_argument(
+        "--liveness",
+        metavar="URL",
+        default=None,
+        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+    )
+    op.add_argument(
+        "--peering",
+        metavar="NAME",
+        default=None,
+        help="coordinate with other operator replicas through kopf peering (needs kopf's peering CRDs); "
+        "without it the operator runs standalone, one replica per scope",
+    )
+    op.add_argument(
+        "--service-monitors",
+        action="store_true",
+        help="manage Prometheus Operator ServiceMonitors for InferenceServices that ask for one "
+        "(needs RBAC on servicemonitors.monitoring.coreos.com)",
+    )
+    op.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
+    op.add_argument("--log-format", choices=["plain", "full", "json"], default="full", help="log format")
+    op.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    op.set_defaults(func=run_operator)
+
+    render = subparsers.add_parser(
+        "render",
+        help="print the manifests the operator would apply for an InferenceService",
+        description="Render the child objects of the InferenceService(s) in FILE as multi-document YAML, "
+        "with the same builders the operator uses (for GitOps previews and reviews).",
+    )
+    render.add_argument(
+        "-f", "--filename", required=True, metavar="FILE", help="manifest file, or - for stdin"
+    )
+    render.add_argument(
+        "-n",
+        "--namespace",
+        default=None,
+        metavar="NS",
+        help="namespace for InferenceServices that name none (default: leave it unset)",
+    )
+    render.set_defaults(func=run_render)
+
+
+def _load_documents(filename: str) -> list[Any]:
+    if filename == "-":
+        return [d for d in yaml.safe_load_all(sys.stdin) if d is not None]
+    with open(filename, encoding="utf-8") as handle:
+        return [d for d in yaml.safe_load_all(handle) if d is not None]
+
+
+def render_documents(documents: list[Any], namespace: str | None = None) -> tuple[list[dict], list[str]]:
+    """(children of every valid InferenceService, error lines) for parsed YAML documents."""
+    from kvpilot.operator.builders import build_children
+    from kvpilot.operator.effective import resolve_effective
+    from kvpilot.operator.validation import validate
+
+    children: list[dict] = []
+    errors: list[str] = []
+    found = 0
+    for index, doc in enumerate(documents):
+        if isinstance(doc, dict) and doc.get("kind") == "List":
+            documents.extend(doc.get("items") or [])
+            continue
+        if not isinstance(doc, dict) or doc.get("kind") != names.KIND:
+            continue  # other objects in the same file (Namespaces, Secrets, ...) are not ours
+        found += 1
+        if namespace and not (doc.get("metadata") or {}).get("namespace"):
+            doc.setdefault("metadata", {})["namespace"] = namespace
+        label = f"{names.KIND} {(doc.get('metadata') or {}).get('name', f'#{index}')}"
+        problems = validate(doc)
+        if problems:
+            errors += [f"{label}: {p}" for p in problems]
+            continue
+        children += build_children(doc, resolve_effective(doc))
+    if not found:
+        errors.append(f"no {names.KIND} ({names.API_VERSION}) found")
+    return children, errors
+
+
+def run_render(args: argparse.Namespace) -> int:
+    """``kvpilot render -f FILE``: 0 and YAML on stdout, or 1 and the problems on stderr."""
+    try:
+        documents = _load_documents(args.filename)
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"error: cannot read {args.filename}: {exc}", file=sys.stderr)
+        return 1
+    children, errors = render_documents(documents, args.namespace)
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    if errors:
+        return 1
+    sys.stdout.write(yaml.safe_dump_all(children, sort_keys=False, default_flow_style=False))
+    return 0
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    """``kvpilot operator``: runs until SIGTERM/SIGINT; returns the exit code."""
+    globs = [ns for ns in args.namespaces if _GLOB_CHARS & set(ns)]
+    if globs:
+        print(
+            f"error: namespace patterns are not supported, name namespaces exactly: {globs}", file=sys.stderr
+        )
+        return 2
+    import kopf
+
+    from kvpilot.operator.handlers import OperatorOptions, build_registry, new_memo
+
+    options = OperatorOptions(
+        namespaces=tuple(dict.fromkeys(args.namespaces)),
+        clusterwide=args.all_namespaces,
+        resync_interval=args.resync_interval,
+        service_monitors=args.service_monitors,
+    )
+    log_format = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
+    kopf.configure(verbose=args.verbose, log_format=log_format[args.log_format])
+    kopf.run(
+        registry=build_registry(options),
+        memo=new_memo(),
+        clusterwide=options.clusterwide,
+        namespaces=list(options.namespaces),
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        priority=args.priority,
+        liveness_endpoint=args.liveness,
+    )
+    return 0

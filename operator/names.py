@@ -1,0 +1,56 @@
+"""Names that cross module boundaries: the API group, labels, annotations, ports.
+
+Every other operator module imports its constants from here, so a label key or a port number
+is spelled exactly once.
+"""
+
+from __future__ import annotations
+
+GROUP = "serving.kvpilot.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SHORT_NAME = "kvisvc"
+
+# The server-side-apply field manager: the owner of every field the operator writes.
+FIELD_MANAGER = "kvpilot-operator"
+
+# Labels on every child object (the recommended app.kubernetes.io set plus our own).
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_ISVC = f"{GROUP}/inferenceservice"
+# On engine pods only: which rendering of the pod template a pod runs (metrics of pods with an
+# outdated hash describe the previous configuration and must not drive remediation).
+LABEL_TEMPLATE_HASH = f"{GROUP}/template-hash"
+
+ENGINE_NAME = "kvpilot-engine"
+COMPONENT = "engine"
+MANAGED_BY = "kvpilot-operator"
+
+# On every child: a hash of the desired manifest; an unchanged hash means nothing to write.
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+
+# kopf keeps its bookkeeping (last handled spec, retry state) in annotations under this prefix.
+KOPF_PREFIX = GROUP
+
+ENGINE_CONTAINER = "engine"
+HTTP_PORT = 8000
+HTTP_PORT_NAME = "http"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+
+# Mount points inside the engine container.
+MODEL_MOUNT = "/mnt/models"
+HF_HOME = "/var/cache/huggingface"
+TMP_MOUNT = "/tmp"
+SHM_MOUNT = "/dev/shm"
+
+# Environment variables the engine reads.
+ENV_HF_HOME = "HF_HOME"
+ENV_HF_TOKEN = "HF_TOKEN"
+ENV_API_KEY = "KVPILOT_API_KEY"
+MANAGED_ENV = frozenset({ENV_HF_HOME, ENV_HF_TOKEN, ENV_API_KEY, "TRITON_CACHE_DIR", "XDG_CACHE_HOME"})

@@ -1,0 +1,190 @@
+"""The engine pod template: container command and args, model volumes, env, probes, security.
+
+Pure: takes the (defaulted) spec and the effective engine configuration, returns plain dicts.
+The container runs::
+
+    kvpilot serve MODEL --host 0.0.0.0 --port 8000 --served-model-name NAME <engine flags>
+
+where the engine flags come from ``kvpilot.engine.config.to_cli_args``, the same module the
+engine's own argument parser is built from, so a rendered flag always parses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvpilot.engine.config import to_cli_args
+from kvpilot.operator import names
+from kvpilot.operator.effective import Effective
+from kvpilot.operator.spec import ModelSource, engine_snake_args, parse_model_source
+
+# Probe timing. The startup probe covers the model load (minutes for large checkpoints); once it
+# passes, readiness takes a pod out of the Service within ~15 s and liveness restarts a pod whose
+# engine loop has been dead for a minute.
+PROBE_PERIOD_S = 10
+READINESS = {"periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
+LIVENESS = {"periodSeconds": 15, "timeoutSeconds": 10, "failureThreshold": 4}
+
+
+def served_model_name(spec: dict[str, Any], source: ModelSource) -> str:
+    """The name clients pass as ``model`` (``spec.model.name``, else derived from the source)."""
+    return spec["model"].get("name") or source.default_served_name
+
+
+def model_argument(source: ModelSource) -> str:
+    """What ``kvpilot serve`` gets as MODEL: a local directory or a hub repository id."""
+    if source.scheme == "pvc":
+        return f"{names.MODEL_MOUNT}/{source.path}" if source.path else names.MODEL_MOUNT
+    return source.path  # hf: the repository id (resolved into HF_HOME); file: the image path
+
+
+def gpu_count(spec: dict[str, Any], effective: Effective) -> int:
+    """GPUs one pod requests: gpusPerReplica × tensorParallelSize × pipelineParallelSize."""
+    per_shard = int(spec["resources"].get("gpusPerReplica", 1))
+    tp = int(effective.engine.get("tensorParallelSize", 1))
+    pp = int(effective.engine.get("pipelineParallelSize", 1))
+    return per_shard * tp * pp
+
+
+def engine_args(spec: dict[str, Any], effective: Effective) -> list[str]:
+    """The container args (after ``kvpilot serve``)."""
+    source = parse_model_source(spec["model"]["source"])
+    head = [
+        model_argument(source),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(names.HTTP_PORT),
+        "--served-model-name",
+        served_model_name(spec, source),
+    ]
+    return head + to_cli_args(engine_snake_args(effective.engine))
+
+
+def _secret_env(name: str, ref: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}
+
+
+def _model_volumes(spec: dict[str, Any], source: ModelSource) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, volumeMounts, env) for the model source."""
+    if source.scheme == "pvc":
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
+        mount = {"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True}
+        return [volume], [mount], []
+    if source.scheme == "hf":
+        cache = spec["model"].get("cache") or {}
+        if cache.get("claimName"):
+            volume = {"name": "hf-cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
+        else:
+            empty_dir = {"sizeLimit": str(cache["sizeLimit"])} if cache.get("sizeLimit") else {}
+            volume = {"name": "hf-cache", "emptyDir": empty_dir}
+        mount = {"name": "hf-cache", "mountPath": names.HF_HOME}
+        env = [{"name": names.ENV_HF_HOME, "value": names.HF_HOME}]
+        if spec["model"].get("tokenSecretRef"):
+            env.append(_secret_env(names.ENV_HF_TOKEN, spec["model"]["tokenSecretRef"]))
+        return [volume], [mount], env
+    return [], [], []  # file://: the weights are part of the image
+
+
+def _resources(spec: dict[str, Any], effective: Effective) -> dict[str, Any]:
+    resources = spec["resources"]
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if resources.get("cpu") is not None:
+        requests["cpu"] = str(resources["cpu"])  # no CPU limit: throttling a serving loop hurts latency
+    if resources.get("memory") is not None:
+        requests["memory"] = limits["memory"] = str(resources["memory"])
+    gpus = gpu_count(spec, effective)
+    if gpus:
+        limits[resources["gpuResource"]] = str(gpus)  # extended resources: the request follows the limit
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(**timing: int) -> dict[str, Any]:
+    return {"httpGet": {"path": names.HEALTH_PATH, "port": names.HTTP_PORT_NAME}, **timing}
+
+
+def build_container(spec: dict[str, Any], effective: Effective) -> dict[str, Any]:
+    """The ``engine`` container."""
+    source = parse_model_source(spec["model"]["source"])
+    _, mounts, model_env = _model_volumes(spec, source)
+    env = [
+        # The root filesystem is read-only: kernel and download caches go to the /tmp volume.
+        {"name": "TRITON_CACHE_DIR", "value": f"{names.TMP_MOUNT}/triton"},
+        {"name": "XDG_CACHE_HOME", "value": f"{names.TMP_MOUNT}/cache"},
+        *model_env,
+    ]
+    if spec.get("apiKeySecretRef"):
+        env.append(_secret_env(names.ENV_API_KEY, spec["apiKeySecretRef"]))
+    env += [dict(item) for item in spec.get("env") or []]
+    startup_timeout = int(spec["probes"]["startupTimeoutSeconds"])
+    container: dict[str, Any] = {
+        "name": names.ENGINE_CONTAINER,
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["kvpilot", "serve"],
+        "args": engine_args(spec, effective),
+        "ports": [{"name": names.HTTP_PORT_NAME, "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
+        "env": env,
+        "resources": _resources(spec, effective),
+        "startupProbe": _probe(
+            periodSeconds=PROBE_PERIOD_S,
+            timeoutSeconds=5,
+            failureThreshold=max(1, math.ceil(startup_timeout / PROBE_PERIOD_S)),
+        ),
+        "readinessProbe": _probe(**READINESS),
+        "livenessProbe": _probe(**LIVENESS),
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": names.TMP_MOUNT},
+            {"name": "dshm", "mountPath": names.SHM_MOUNT},
+            *mounts,
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    return container
+
+
+def build_pod_spec(spec: dict[str, Any], effective: Effective) -> dict[str, Any]:
+    """The pod spec of the engine Deployment's template."""
+    source = parse_model_source(spec["model"]["source"])
+    volumes, _, _ = _model_volumes(spec, source)
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec["resources"].get("sharedMemory") is not None:
+        shm["sizeLimit"] = str(spec["resources"]["sharedMemory"])
+    pod = spec.get("pod") or {}
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the engine never talks to the Kubernetes API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": int(pod.get("terminationGracePeriodSeconds", 120)),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "fsGroup": 1000,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [build_container(spec, effective)],
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            # NCCL and torch's worker processes exchange tensors through /dev/shm.
+            {"name": "dshm", "emptyDir": shm},
+            *volumes,
+        ],
+    }
+    for key in ("serviceAccountName", "priorityClassName", "runtimeClassName", "schedulerName"):
+        if pod.get(key):
+            pod_spec[key] = pod[key]
+    for key in ("nodeSelector", "affinity", "tolerations", "imagePullSecrets", "topologySpreadConstraints"):
+        if pod.get(key):
+            pod_spec[key] = pod[key]
+    return pod_spec

@@ -1,0 +1,192 @@
+"""One reconcile pass over an InferenceService: validate, build, apply what changed, write status.
+
+Idempotent: a child is written only when its desired hash differs from the live object's (or its
+replica count or owner reference drifted), and status only when an owned field changed, so a
+pass over an unchanged object performs reads only. No kopf import here: the handlers translate
+the :class:`Outcome` into kopf's errors and events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvpilot.operator import names
+from kvpilot.operator.builders import build_children, build_service_monitor, selector_string
+from kvpilot.operator.effective import resolve_effective
+from kvpilot.operator.kube import ApiError, KubeClient, object_path, path_of
+from kvpilot.operator.status import blocked_message, desired_status, spec_invalid_message, status_patch
+from kvpilot.operator.validation import validate
+
+# (type, reason, message) -> posts a Kubernetes Event about the InferenceService.
+EmitFn = Callable[[str, str, str], Awaitable[None] | None]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one pass did. ``problems``: why the spec is invalid (nothing was applied).
+    ``conflicts``: children that exist but belong to someone else (left untouched).
+    ``written``: "Created Deployment x" / "Updated Service x" lines. ``warnings``: things the spec
+    asks for that this operator cannot do (nothing else is blocked). ``status_written``: whether
+    the status changed. ``gone``: the InferenceService no longer exists."""
+
+    problems: list[str] = dataclasses.field(default_factory=list)
+    conflicts: list[str] = dataclasses.field(default_factory=list)
+    written: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    status_written: bool = False
+    gone: bool = False
+
+
+def is_controlled_by(obj: dict[str, Any], isvc: dict[str, Any]) -> bool:
+    """Whether ``obj`` has a controller reference to this very InferenceService (same uid)."""
+    uid = isvc["metadata"].get("uid")
+    return any(
+        ref.get("controller") and ref.get("uid") == uid and ref.get("kind") == names.KIND
+        for ref in obj["metadata"].get("ownerReferences") or []
+    )
+
+
+def needs_write(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    """Whether applying ``desired`` would change ``live``.
+
+    The config hash covers everything the operator renders; replicas are compared directly
+    because someone scaling the Deployment by hand is drift the operator must undo.
+    """
+    if live is None:
+        return True
+    key = names.ANNOTATION_CONFIG_HASH
+    live_meta = live.get("metadata") or {}
+    if (live_meta.get("annotations") or {}).get(key) != desired["metadata"]["annotations"][key]:
+        return True
+    if (
+        desired.get("kind") == "Deployment"
+        and (live.get("spec") or {}).get("replicas") != desired["spec"]["replicas"]
+    ):
+        return True
+    return False
+
+
+async def _apply_children(kube: KubeClient, isvc: dict[str, Any], children: list[dict], outcome: Outcome):
+    deployment = None
+    for desired in children:
+        kind, name = desired["kind"], desired["metadata"]["name"]
+        try:
+            live = await kube.get(path_of(desired))
+        except ApiError as exc:
+            if exc.status == 404 and kind == "ServiceMonitor":
+                continue  # the Prometheus Operator's CRD is not installed: nothing to scrape with
+            raise
+        if live is not None and not is_controlled_by(live, isvc):
+            outcome.conflicts.append(f"{kind} {name} exists and is not owned by this {names.KIND}")
+            continue
+        if needs_write(desired, live):
+            verb = "Created" if live is None else "Updated"
+            try:
+                live = await kube.apply(desired)
+            except ApiError as exc:
+                if exc.status == 404 and kind == "ServiceMonitor":
+                    continue
+                raise
+            outcome.written.append(f"{verb} {kind} {name}")
+        if kind == "Deployment":
+            deployment = live
+    return deployment
+
+
+async def _prune_service_monitor(kube: KubeClient, isvc: dict[str, Any], outcome: Outcome) -> None:
+    """Delete the ServiceMonitor once monitoring.serviceMonitor.enabled is turned off."""
+    path = path_of(build_service_monitor(isvc, resolve_effective(isvc)))
+    try:
+        live = await kube.get(path)
+    except ApiError as exc:
+        if exc.status == 404:  # the resource type itself does not exist
+            return
+        raise
+    if live is not None and is_controlled_by(live, isvc):
+        await kube.delete(path)
+        outcome.written.append(f"Deleted ServiceMonitor {isvc['metadata']['name']}")
+
+
+async def _write_status(kube: KubeClient, isvc: dict[str, Any], desired: dict[str, Any]) -> bool:
+    patch = status_patch(isvc.get("status"), desired)
+    if patch is None:
+        return False
+    meta = isvc["metadata"]
+    body = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch}
+    path = object_path(names.API_VERSION, names.KIND, meta.get("namespace"), meta["name"], "status")
+    await kube.merge_patch(path, body)
+    return True
+
+
+async def reconcile(
+    kube: KubeClient,
+    isvc: dict[str, Any],
+    emit: EmitFn,
+    *,
+    now: datetime.datetime | None = None,
+    apply_children: bool = True,
+    service_monitors: bool = False,
+    announce: bool = True,
+) -> Outcome:
+    """Bring the children and status of ``isvc`` (as last read) in line with its spec.
+
+    ``apply_children=False`` only refreshes status from the live Deployment. ``service_monitors``:
+    whether this operator may manage ServiceMonitors (it has the RBAC for them; otherwise it never
+    touches that resource). ``announce``: post one-off warnings as Events (a spec change, not a
+    periodic pass). Raises ApiError for API failures (409 on a stale status write included).
+    """
+    now = now or datetime.datetime.now(datetime.UTC)
+    outcome = Outcome()
+    meta = isvc["metadata"]
+    if meta.get("deletionTimestamp"):
+        return outcome  # being deleted: the garbage collector removes the children
+    outcome.problems = validate(isvc)
+    deployment_path = object_path("apps/v1", "Deployment", meta.get("namespace"), meta["name"])
+    effective = None
+    deployment = None
+    if outcome.problems:
+        deployment = await kube.get(deployment_path)
+        if deployment is not None and not is_controlled_by(deployment, isvc):
+            deployment = None
+        message = "; ".join(outcome.problems)
+        if spec_invalid_message(isvc.get("status")) != message:
+            await _emit(emit, "Warning", "InvalidSpec", message)
+    else:
+        effective = resolve_effective(isvc)
+        children = build_children(isvc, effective)
+        wants_monitor = any(c["kind"] == "ServiceMonitor" for c in children)
+        if wants_monitor and not service_monitors:
+            children = [c for c in children if c["kind"] != "ServiceMonitor"]
+            outcome.warnings.append(
+                "spec.monitoring.serviceMonitor.enabled is set, but the operator runs without "
+                "--service-monitors (chart value rbac.serviceMonitors): no ServiceMonitor is created"
+            )
+        if apply_children:
+            deployment = await _apply_children(kube, isvc, children, outcome)
+            if service_monitors and not wants_monitor:
+                await _prune_service_monitor(kube, isvc, outcome)
+        else:
+            deployment = await kube.get(deployment_path)
+            if deployment is not None and not is_controlled_by(deployment, isvc):
+                deployment = None
+        for line in outcome.written:
+            await _emit(emit, "Normal", line.split(" ", 1)[0], line)
+        if announce:
+            for line in outcome.warnings:
+                await _emit(emit, "Warning", "ServiceMonitorUnavailable", line)
+        if outcome.conflicts and blocked_message(isvc.get("status")) != "; ".join(outcome.conflicts):
+            await _emit(emit, "Warning", "ChildConflict", "; ".join(outcome.conflicts))
+    desired = desired_status(
+        isvc, effective, deployment, outcome.problems, selector_string(isvc), now, conflicts=outcome.conflicts
+    )
+    outcome.status_written = await _write_status(kube, isvc, desired)
+    return outcome
+
+
+async def _emit(emit: EmitFn, type_: str, reason: str, message: str) -> None:
+    result = emit(type_, reason, message)
+    if result is not None:
+        await result

@@ -1,0 +1,186 @@
+"""Checks of an InferenceService beyond what the CRD schema enforces.
+
+The schema (types, enums, ranges, CEL rules) rejects most mistakes at ``kubectl apply``. What it
+cannot express is checked here: the engine's own argument validation (``EngineArgs``), model
+source URIs, quantities, names that must fit the children, and a few cross-field rules. The same
+checks run for manifests read from files (``kvpilot render``), where no API server has validated
+anything, so the basic shape is checked too.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any
+
+from kvpilot.engine.config import ConfigError, EngineArgs, crd_key
+from kvpilot.operator import names
+from kvpilot.operator.effective import resolve_effective
+from kvpilot.operator.spec import (
+    ENGINE_KEYS,
+    ModelSourceError,
+    apply_defaults,
+    engine_snake_args,
+    parse_duration,
+    parse_model_source,
+    parse_quantity,
+)
+
+# Service names are DNS-1035 labels; the Deployment, Service and PDB all take the object's name.
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+class SpecError(ValueError):
+    """An InferenceService cannot be reconciled; ``problems`` lists every reason found."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _engine_problems(engine: dict[str, Any], where: str) -> list[str]:
+    problems = []
+    for key in engine:
+        if key not in ENGINE_KEYS:
+            hint = difflib.get_close_matches(key, list(ENGINE_KEYS), n=1)
+            suggestion = f" (did you mean {hint[0]}?)" if hint else ""
+            problems.append(f"{where}.{key}: unknown engine argument{suggestion}")
+    if problems:
+        return problems
+    try:
+        EngineArgs(**engine_snake_args(engine))
+    except ConfigError as exc:
+        message = str(exc)
+        # The engine names its arguments in snake_case; speak the CRD's camelCase here.
+        for f in ENGINE_KEYS.values():
+            message = re.sub(rf"\b{f.name}\b", crd_key(f.name), message)
+        problems.append(f"{where}: {message}")
+    except TypeError as exc:  # a value of the wrong type in a manifest read from a file
+        problems.append(f"{where}: {exc}")
+    return problems
+
+
+def _model_problems(spec: dict[str, Any]) -> list[str]:
+    model = spec.get("model")
+    if not isinstance(model, dict) or not model.get("source"):
+        return ["spec.model.source is required (pvc://, hf:// or file://)"]
+    try:
+        source = parse_model_source(model["source"])
+    except ModelSourceError as exc:
+        return [f"spec.model.source: {exc}"]
+    problems = []
+    if model.get("cache") and source.scheme != "hf":
+        problems.append("spec.model.cache applies to hf:// sources only (the hub download cache)")
+    if model.get("tokenSecretRef") and source.scheme != "hf":
+        problems.append("spec.model.tokenSecretRef applies to hf:// sources only")
+    cache = model.get("cache") or {}
+    if cache.get("claimName") and cache.get("sizeLimit"):
+        problems.append("spec.model.cache: set claimName or sizeLimit (of an emptyDir), not both")
+    return problems
+
+
+def _resource_problems(spec: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    resources = spec.get("resources") or {}
+    problems = []
+    memory_bytes = None
+    for key in ("cpu", "memory", "sharedMemory"):
+        if key in resources:
+            try:
+                value = parse_quantity(resources[key])
+            except ValueError as exc:
+                problems.append(f"spec.resources.{key}: {exc}")
+                continue
+            if value <= 0:
+                problems.append(f"spec.resources.{key} must be positive, got {resources[key]!r}")
+            if key == "memory":
+                memory_bytes = value
+    gpus = resources.get("gpusPerReplica", 1)
+    if engine.get("device") == "cuda" and gpus == 0:
+        problems.append("spec.engine.device is cuda but spec.resources.gpusPerReplica is 0")
+    swap = engine.get("swapSpace", ENGINE_KEYS["swapSpace"].default)
+    if engine.get("preemptionMode") == "swap" and not swap:
+        problems.append("spec.engine: preemptionMode swap needs swapSpace > 0")
+    if engine.get("preemptionMode") == "swap" and memory_bytes is not None and swap is not None:
+        if memory_bytes <= float(swap) * 2**30:
+            problems.append(
+                f"spec.resources.memory {resources['memory']} cannot hold swapSpace {swap} GiB of swapped "
+                "KV blocks plus the engine process: raise the memory or lower engine.swapSpace"
+            )
+    if (
+        engine.get("enableChunkedPrefill") is False
+        and engine.get("maxNumBatchedTokens") is not None
+        and engine.get("maxModelLen") is not None
+        and engine["maxNumBatchedTokens"] < engine["maxModelLen"]
+    ):
+        problems.append(
+            "spec.engine.maxNumBatchedTokens must be >= maxModelLen when enableChunkedPrefill is false "
+            "(a whole prompt must fit one step)"
+        )
+    return problems
+
+
+def _misc_problems(spec: dict[str, Any]) -> list[str]:
+    problems = []
+    for index, item in enumerate(spec.get("env") or []):
+        name = (item or {}).get("name", "")
+        if not _ENV_NAME.match(name):
+            problems.append(f"spec.env[{index}].name {name!r} is not a valid environment variable name")
+        elif name in names.MANAGED_ENV:
+            problems.append(f"spec.env[{index}].name {name} is set by the operator; use the dedicated field")
+    rollout = spec.get("rollout") or {}
+    if rollout.get("maxSurge") in (0, "0%") and rollout.get("maxUnavailable") in (0, "0%"):
+        problems.append("spec.rollout: maxSurge and maxUnavailable cannot both be 0")
+    remediation = spec.get("remediation") or {}
+    for key in ("window", "cooldown"):
+        if key in remediation:
+            try:
+                parse_duration(remediation[key])
+            except ValueError as exc:
+                problems.append(f"spec.remediation.{key}: {exc}")
+    limits = remediation.get("limits") or {}
+    if limits.get("minReplicas", 1) > limits.get("maxReplicas", 8):
+        problems.append("spec.remediation.limits.minReplicas must be <= maxReplicas")
+    interval = ((spec.get("monitoring") or {}).get("serviceMonitor") or {}).get("interval")
+    if interval is not None:
+        try:
+            parse_duration(interval)
+        except ValueError as exc:
+            problems.append(f"spec.monitoring.serviceMonitor.interval: {exc}")
+    return problems
+
+
+def validate(isvc: dict[str, Any]) -> list[str]:
+    """Every reason this InferenceService cannot be reconciled; an empty list when it is valid."""
+    if not isinstance(isvc, dict):
+        return ["the manifest is not an object"]
+    problems = []
+    if isvc.get("apiVersion") not in (None, names.API_VERSION) or isvc.get("kind") not in (None, names.KIND):
+        problems.append(
+            f"not an {names.KIND} ({names.API_VERSION}): {isvc.get('apiVersion')}/{isvc.get('kind')}"
+        )
+    name = (isvc.get("metadata") or {}).get("name") or ""
+    if not _DNS1035_LABEL.match(name) or len(name) > 63:
+        problems.append(
+            f"metadata.name {name!r} must be a DNS-1035 label (lower case letters, digits and '-', "
+            "starting with a letter, at most 63 characters): it names the engine's Service"
+        )
+    raw_spec = isvc.get("spec")
+    if not isinstance(raw_spec, dict):
+        return problems + ["spec is required"]
+    if not raw_spec.get("image"):
+        problems.append("spec.image is required (the engine image)")
+    spec = apply_defaults(raw_spec)
+    engine = spec.get("engine") or {}
+    if not isinstance(engine, dict):
+        return problems + ["spec.engine must be an object"]
+    problems += _model_problems(spec)
+    problems += _engine_problems(engine, "spec.engine")
+    problems += _resource_problems(spec, engine)
+    problems += _misc_problems(spec)
+    if not problems:
+        # Remediation overrides must never produce a configuration the engine rejects.
+        effective = resolve_effective(isvc)
+        if effective.applied_overrides:
+            problems += _engine_problems(effective.engine, "status.effective (spec.engine with overrides)")
+    return problems

@@ -1,0 +1,160 @@
+"""The Helm chart: lint, render, every object valid for Kubernetes, secure defaults, values schema."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.operator.conftest import CHART, K8S_VERSION, find_tool
+
+VARIANTS = {
+    "cluster-wide": [],
+    "namespaced": ["--set", "operator.watchNamespaces={llm,batch}", "--set", "rbac.serviceMonitors=true"],
+    "custom": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops", "--set",
+               "operator.logFormat=plain", "--set", "operator.verbose=true", "--set", "rbac.create=false"],
+}  # fmt: skip
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([find_tool("helm"), *args], capture_output=True, text=True, timeout=120)
+
+
+def render(*extra: str) -> list[dict]:
+    result = helm("template", "kvp", str(CHART), "--namespace", "kvpilot-system", "--include-crds", *extra)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def test_lint_strict():
+    result = helm("lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_rendered_objects_are_valid_kubernetes(variant):
+    objects = render(*VARIANTS[variant])
+    assert objects and objects[0]["kind"] == "CustomResourceDefinition"
+    for obj in objects:
+        assert kubernetes_validate.validate(obj, K8S_VERSION, strict=True), obj["kind"]
+
+
+def by_kind(objects: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for obj in objects:
+        out.setdefault(obj["kind"], []).append(obj)
+    return out
+
+
+def test_operator_deployment_is_locked_down():
+    (deployment,) = by_kind(render())["Deployment"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert container["args"][:2] == ["operator", "--all-namespaces"]
+    assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert container["image"] == "ghcr.io/kvpilot/operator:0.1.0"
+
+
+def test_scope_selects_cluster_role_or_namespaced_roles():
+    cluster = by_kind(render())
+    assert {"ClusterRole", "ClusterRoleBinding"} <= set(cluster) and "Role" not in cluster
+    namespaced = by_kind(render(*VARIANTS["namespaced"]))
+    assert "ClusterRole" not in namespaced
+    assert sorted(r["metadata"]["namespace"] for r in namespaced["Role"]) == ["batch", "llm"]
+    assert sorted(b["metadata"]["namespace"] for b in namespaced["RoleBinding"]) == ["batch", "llm"]
+    (deployment,) = namespaced["Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=llm" in args and "--namespace=batch" in args and "--all-namespaces" not in args
+    assert "--service-monitors" in args
+    monitor_rules = [r for r in namespaced["Role"][0]["rules"] if "monitoring.coreos.com" in r["apiGroups"]]
+    assert monitor_rules == [
+        {
+            "apiGroups": ["monitoring.coreos.com"],
+            "resources": ["servicemonitors"],
+            "verbs": ["get", "create", "patch", "delete"],
+        }
+    ]
+    custom = by_kind(render(*VARIANTS["custom"]))
+    assert "ServiceAccount" not in custom and "ClusterRole" not in custom
+    assert custom["Deployment"][0]["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+
+
+def test_rules_never_grant_wildcards_or_secrets():
+    for role in by_kind(render())["ClusterRole"]:
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+            assert "secrets" not in rule["resources"] and "delete" not in rule["verbs"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator": {"logFormat": "xml"}}, "is not one of"),
+        ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "does not match"),
+        ({"operator": {"resyncInterval": 0}}, "less than or equal to the minimum"),
+        ({"operatr": {}}, "Additional properties are not allowed"),
+    ],
+)
+def test_values_schema_rejects_bad_values(tmp_path, values, message):
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.Draft7Validator(schema).validate(defaults)
+    merged = {**defaults, **values}
+    if "operator" in values:
+        merged["operator"] = {**defaults["operator"], **values["operator"]}
+    errors = [e.message for e in jsonschema.Draft7Validator(schema).iter_errors(merged)]
+    assert any(message in e for e in errors), errors
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    result = helm("template", "kvp", str(CHART), "-f", str(path))
+    assert result.returncode != 0 and "values don't meet the specifications of the schema" in result.stderr
+
+
+def test_every_value_is_documented():
+    """Each leaf key in values.yaml has a ``# --`` comment block right above it (helm-docs style)."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    block_indent = None  # inside a documented value that is itself a mapping (e.g. resources)
+    for index, line in enumerate(lines):
+        match = re.match(r"^(\s*)([A-Za-z][\w]*):(.*)$", line)
+        if not match:
+            continue
+        indent, key, rest = len(match.group(1)), match.group(2), match.group(3).strip()
+        if block_indent is not None and indent > block_indent:
+            continue
+        block_indent = None
+        following = next((x for x in lines[index + 1 :] if x.strip()), "")
+        is_group = rest == "" and len(following) - len(following.lstrip()) > indent
+        above = index - 1
+        while (
+            above >= 0
+            and lines[above].lstrip().startswith("#")
+            and not lines[above].lstrip().startswith("# --")
+        ):
+            above -= 1
+        documented = above >= 0 and lines[above].lstrip().startswith("# --")
+        if is_group and not documented:
+            continue  # a plain group of documented keys
+        if is_group:
+            block_indent = indent
+        if not documented:
+            undocumented.append(key)
+    assert undocumented == []

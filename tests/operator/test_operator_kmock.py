@@ -1,0 +1,398 @@
+"""The real operator process against a Kubernetes API served on 127.0.0.1 (kmock, see kmock_apiserver).
+
+One API server and one operator (``--resync-interval 1``) serve the module; each test works on its
+own InferenceService. The module's last test checks the chart's RBAC against every request the
+operator made during the module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from kvpilot.operator import names
+from tests.operator.conftest import BASE_ISVC, CHART, find_tool, wait_for
+
+NS = "team-a"
+ISVCS = f"/apis/{names.API_VERSION}/namespaces/{NS}/inferenceservices"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def isvc_path(name: str) -> str:
+    return f"{ISVCS}/{name}"
+
+
+def child_path(kind: str, name: str) -> str:
+    return {
+        "Deployment": f"/apis/apps/v1/namespaces/{NS}/deployments/{name}",
+        "Service": f"/api/v1/namespaces/{NS}/services/{name}",
+        "PodDisruptionBudget": f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/{name}",
+    }[kind]
+
+
+def new_isvc(name: str, **spec) -> dict:
+    isvc = copy.deepcopy(BASE_ISVC)
+    isvc["metadata"] = {"name": name, "namespace": NS}
+    isvc["spec"].update(spec)
+    return isvc
+
+
+def condition(isvc: dict, type_: str) -> dict:
+    return next((c for c in (isvc.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def args_of(deployment: dict) -> list[str]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def mark_rolled_out(api, name: str, ready: int) -> None:
+    """Do what the Deployment controller would: report pods of the current template as ready."""
+    deployment = api.get(child_path("Deployment", name))
+    replicas = deployment["spec"]["replicas"]
+    api.merge_patch(
+        child_path("Deployment", name) + "/status",
+        {
+            "status": {
+                "observedGeneration": deployment["metadata"]["generation"],
+                "replicas": replicas,
+                "updatedReplicas": replicas,
+                "readyReplicas": ready,
+                "availableReplicas": ready,
+            }
+        },
+    )
+
+
+def events_for(api, name: str) -> list[dict]:
+    listing = api.get(f"/api/v1/namespaces/{NS}/events") or {"items": []}
+    return [e for e in listing["items"] if e.get("involvedObject", {}).get("name") == name]
+
+
+@pytest.fixture(scope="module")
+def operator(api, start_operator):
+    proc = start_operator([NS], ["--resync-interval", "1"])
+    wait_for(lambda: "Initial authentication has finished" in proc.log, what="the operator to log in")
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def delete_afterwards(api):
+    """Each test's InferenceServices go away after it (keeps every resync pass small)."""
+    yield
+    for item in (api.get(ISVCS) or {"items": []})["items"]:
+        api.delete(isvc_path(item["metadata"]["name"]))
+
+
+def create_and_wait(api, isvc: dict) -> dict:
+    api.create(ISVCS, isvc)
+    name = isvc["metadata"]["name"]
+    wait_for(lambda: api.get(child_path("PodDisruptionBudget", name)), what=f"the children of {name}")
+    handled = f"{names.KOPF_PREFIX}/last-handled-configuration"
+
+    def settled() -> dict | None:
+        obj = api.get(isvc_path(name))
+        has_status = (obj.get("status") or {}).get("observedGeneration")
+        # kopf records the handled spec once its handler has finished: the creation is complete.
+        return obj if has_status and handled in (obj["metadata"].get("annotations") or {}) else None
+
+    return wait_for(settled, what=f"status of {name}")
+
+
+def test_create_makes_owned_children_and_status(api, operator):
+    isvc = create_and_wait(api, new_isvc("create"))
+    uid = isvc["metadata"]["uid"]
+    for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+        child = api.get(child_path(kind, "create"))
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid, kind
+        assert child["metadata"]["ownerReferences"][0]["controller"] is True
+    deployment = api.get(child_path("Deployment", "create"))
+    assert deployment["spec"]["replicas"] == 2
+    assert args_of(deployment)[:1] == ["/mnt/models/llama-3.1-8b"]
+    assert "--max-num-seqs" in args_of(deployment) and "128" in args_of(deployment)
+    assert api.get(child_path("Service", "create"))["spec"]["ports"][0]["port"] == 8000
+    status = isvc["status"]
+    assert status["phase"] == "Pending" and status["observedGeneration"] == 1
+    assert (
+        status["selector"] == "app.kubernetes.io/component=engine,serving.kvpilot.io/inferenceservice=create"
+    )
+    assert status["effective"]["maxNumSeqs"] == 128 and status["effective"]["replicas"] == 2
+    assert condition(isvc, "SpecValid")["status"] == "True"
+    # Status goes through the status subresource; the spec is never written by the operator.
+    assert ("PATCH", isvc_path("create") + "/status") in api.writes
+    assert isvc["spec"] == new_isvc("create")["spec"]
+    assert not isvc["metadata"].get("finalizers"), "no finalizer: deletion never waits for the operator"
+    normal = {e["reason"] for e in events_for(api, "create") if e["type"] == "Normal"}
+    assert {"Created"} <= normal
+
+
+def test_rollout_progress_reaches_ready(api, operator):
+    create_and_wait(api, new_isvc("rollout"))
+    mark_rolled_out(api, "rollout", ready=1)
+    isvc = wait_for(
+        lambda: (o := api.get(isvc_path("rollout")))["status"].get("readyReplicas") == 1 and o, what="1 ready"
+    )
+    assert isvc["status"]["phase"] == "Progressing" and condition(isvc, "Ready")["status"] == "False"
+    mark_rolled_out(api, "rollout", ready=2)
+    isvc = wait_for(
+        lambda: (o := api.get(isvc_path("rollout")))["status"]["phase"] == "Ready" and o, what="Ready"
+    )
+    assert (isvc["status"]["replicas"], isvc["status"]["readyReplicas"]) == (2, 2)
+    assert condition(isvc, "Ready")["status"] == "True"
+    assert condition(isvc, "Progressing")["reason"] == "RolloutComplete"
+
+
+def test_spec_update_changes_the_deployment(api, operator):
+    create_and_wait(api, new_isvc("update"))
+    before = api.get(child_path("Deployment", "update"))
+    api.merge_patch(isvc_path("update"), {"spec": {"replicas": 3, "engine": {"maxNumSeqs": 64}}})
+    deployment = wait_for(
+        lambda: (d := api.get(child_path("Deployment", "update")))["spec"]["replicas"] == 3 and d,
+        what="the new replica count",
+    )
+    args = args_of(deployment)
+    assert args[args.index("--max-num-seqs") + 1] == "64"
+    assert (
+        deployment["spec"]["template"]["metadata"]["labels"][names.LABEL_TEMPLATE_HASH]
+        != (before["spec"]["template"]["metadata"]["labels"][names.LABEL_TEMPLATE_HASH])
+    )
+    isvc = wait_for(lambda: (o := api.get(isvc_path("update")))["status"]["observedGeneration"] == 2 and o)
+    assert isvc["status"]["effective"] == {
+        "gpuMemoryUtilization": 0.9,
+        "maxNumSeqs": 64,
+        "tensorParallelSize": 1,
+        "pipelineParallelSize": 1,
+        "replicas": 3,
+        "basedOnGeneration": 2,
+    }
+    # kopf's bookkeeping lives in annotations under the project's prefix (written once the handler
+    # has finished, so possibly just after the status), not in spec or status.
+    key = f"{names.KOPF_PREFIX}/last-handled-configuration"
+
+    def last_handled() -> dict:
+        return json.loads(api.get(isvc_path("update"))["metadata"]["annotations"][key])
+
+    wait_for(lambda: last_handled()["spec"]["engine"]["maxNumSeqs"] == 64, what="kopf's annotation")
+    assert "status" not in last_handled()
+
+
+def test_a_settled_object_costs_no_writes(api, operator):
+    create_and_wait(api, new_isvc("quiet"))
+    mark_rolled_out(api, "quiet", ready=2)
+    wait_for(lambda: api.get(isvc_path("quiet"))["status"]["phase"] == "Ready", what="Ready")
+    time.sleep(0.5)  # let in-flight event handling finish
+    before = len(api.writes)
+    time.sleep(3.5)  # three resync passes over every object in the namespace
+    assert api.writes[before:] == []
+    assert operator.proc.poll() is None
+
+
+def test_drift_is_repaired(api, operator):
+    create_and_wait(api, new_isvc("drift"))
+    api.merge_patch(child_path("Deployment", "drift"), {"spec": {"replicas": 7}})
+    wait_for(
+        lambda: api.get(child_path("Deployment", "drift"))["spec"]["replicas"] == 2, what="replicas restored"
+    )
+    api.delete(child_path("Service", "drift"))
+    service = wait_for(
+        lambda: api.get(child_path("Service", "drift")), what="the Service recreated by the resync"
+    )
+    assert service["metadata"]["labels"][names.LABEL_ISVC] == "drift"
+
+
+def test_invalid_spec_sets_condition_and_warns_without_touching_pods(api, operator):
+    create_and_wait(api, new_isvc("invalid"))
+    good = api.get(child_path("Deployment", "invalid"))
+    api.merge_patch(isvc_path("invalid"), {"spec": {"engine": {"blockSize": 24}}})
+    isvc = wait_for(
+        lambda: (
+            (o := api.get(isvc_path("invalid"))) and condition(o, "SpecValid").get("status") == "False" and o
+        ),
+        what="SpecValid=False",
+    )
+    message = condition(isvc, "SpecValid")["message"]
+    assert "blockSize must be a power of two, got 24" in message
+    assert isvc["status"]["phase"] == "Failed" and isvc["status"]["observedGeneration"] == 2
+    warnings = wait_for(
+        lambda: [
+            e for e in events_for(api, "invalid") if e["type"] == "Warning" and e["reason"] == "InvalidSpec"
+        ],
+        what="a Warning event",
+    )
+    assert "blockSize" in warnings[0]["message"]
+    time.sleep(1.5)  # a resync pass: no second event for the same problem, pods keep the last valid config
+    assert len([e for e in events_for(api, "invalid") if e["reason"] == "InvalidSpec"]) == 1
+    assert api.get(child_path("Deployment", "invalid"))["spec"] == good["spec"]
+    assert operator.proc.poll() is None, "an invalid spec must not crash the operator"
+    api.merge_patch(isvc_path("invalid"), {"spec": {"engine": {"blockSize": 32}}})
+    wait_for(
+        lambda: condition(api.get(isvc_path("invalid")), "SpecValid").get("status") == "True",
+        what="valid again",
+    )
+    assert "--block-size" in args_of(api.get(child_path("Deployment", "invalid")))
+
+
+def test_foreign_object_with_the_same_name_is_left_alone(api, operator):
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "taken", "namespace": NS, "labels": {"owner": "someone-else"}},
+        "spec": {"ports": [{"port": 80}]},
+    }
+    api.create(f"/api/v1/namespaces/{NS}/services", foreign)
+    api.create(ISVCS, new_isvc("taken"))
+    isvc = wait_for(
+        lambda: (
+            (o := api.get(isvc_path("taken")))
+            and condition(o, "Ready").get("reason") == "ChildConflict"
+            and o
+        ),
+        what="ChildConflict",
+    )
+    assert "Service taken exists and is not owned" in condition(isvc, "Ready")["message"]
+    assert api.get(child_path("Service", "taken"))["metadata"]["labels"] == {"owner": "someone-else"}
+    assert api.get(child_path("Deployment", "taken")) is not None  # the other children are still made
+
+
+def test_remediation_overrides_in_status_reach_the_pods(api, operator):
+    isvc = create_and_wait(api, new_isvc("override"))
+    api.merge_patch(
+        isvc_path("override") + "/status",
+        {
+            "status": {
+                "effective": {"overrides": {"maxNumSeqs": {"value": 32, "specValue": 128, "reason": "storm"}}}
+            }
+        },
+    )
+    deployment = wait_for(
+        lambda: "32" in args_of(d := api.get(child_path("Deployment", "override"))) and d, what="the override"
+    )
+    args = args_of(deployment)
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    isvc = wait_for(
+        lambda: (o := api.get(isvc_path("override")))["status"]["effective"]["maxNumSeqs"] == 32 and o
+    )
+    assert isvc["spec"]["engine"]["maxNumSeqs"] == 128, "the operator never writes spec"
+    # The user edits the lever: the override no longer applies, the spec wins.
+    api.merge_patch(isvc_path("override"), {"spec": {"engine": {"maxNumSeqs": 100}}})
+    wait_for(lambda: "100" in args_of(api.get(child_path("Deployment", "override"))), what="the user's value")
+
+
+def test_deletion_leaves_nothing_behind(api, operator):
+    create_and_wait(api, new_isvc("gone"))
+    api.delete(isvc_path("gone"))
+    wait_for(lambda: api.get(isvc_path("gone")) is None, what="the InferenceService to go")
+    for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+        wait_for(lambda k=kind: api.get(child_path(k, "gone")) is None, what=f"the {kind} to be collected")
+    time.sleep(1.5)  # a resync pass must not resurrect anything
+    assert api.get(child_path("Deployment", "gone")) is None
+
+
+def test_restarted_operator_resumes_without_writing(api, operator, start_operator):
+    create_and_wait(api, new_isvc("resume"))
+    mark_rolled_out(api, "resume", ready=2)
+    wait_for(lambda: api.get(isvc_path("resume"))["status"]["phase"] == "Ready", what="Ready")
+    time.sleep(0.5)
+    assert operator.stop() == 0, "SIGTERM stops the operator cleanly"
+    before = len(api.writes)
+    port = free_port()
+    liveness = f"http://127.0.0.1:{port}/healthz"
+    restarted = start_operator([], ["--all-namespaces", "--resync-interval", "30", "--liveness", liveness])
+    wait_for(lambda: "Resuming is processed" in restarted.log, what="the resume pass")
+    time.sleep(1.0)
+    writes = [w for w in api.writes[before:] if not w[1].endswith("/events")]
+    assert writes == [], "a resume over unchanged objects writes nothing"
+    with urllib.request.urlopen(liveness, timeout=5) as response:  # what the chart's livenessProbe calls
+        assert response.status == 200
+
+
+def test_kubectl_printer_columns_and_short_name(api, operator, tmp_path):
+    kubectl = find_tool("kubectl")
+    create_and_wait(api, new_isvc("columns"))
+    mark_rolled_out(api, "columns", ready=2)
+    wait_for(lambda: api.get(isvc_path("columns"))["status"]["phase"] == "Ready", what="Ready")
+    crd = yaml.safe_load((CHART / "crds" / "inferenceservice.yaml").read_text())
+    columns = [c for c in crd["spec"]["versions"][0]["additionalPrinterColumns"] if c["name"] != "Age"]
+    spec = ",".join(f"{c['name'].upper()}:{{{c['jsonPath']}}}" for c in columns)
+    kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+    result = subprocess.run(
+        [
+            kubectl,
+            "--kubeconfig",
+            str(kubeconfig),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "get",
+            names.SHORT_NAME,
+            "columns",
+            "-n",
+            NS,
+            "-o",
+            f"custom-columns=NAME:.metadata.name,{spec}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    header, row = result.stdout.splitlines()
+    assert header.split() == [
+        "NAME",
+        "PHASE",
+        "READY",
+        "REPLICAS",
+        "MEMFRAC",
+        "MAXSEQS",
+        "PREEMPT/S",
+        "KVUSAGE",
+        "MODEL",
+    ]
+    # Signals are remediation's (not written yet): kubectl shows <none> there.
+    assert row.split() == [
+        "columns",
+        "Ready",
+        "2",
+        "2",
+        "0.9",
+        "128",
+        "<none>",
+        "<none>",
+        "pvc://models/llama-3.1-8b",
+    ]
+
+
+def test_chart_rbac_grants_exactly_what_the_operator_used(api):
+    """Runs last in the module: ``api.verbs`` holds every request the operators made above."""
+    helm = find_tool("helm")
+    rendered = subprocess.run(
+        [helm, "template", "t", str(CHART), "--set", f"operator.watchNamespaces={{{NS}}}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    (role,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Role"]
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    used = api.verbs
+    assert used - granted == set(), "the operator used verbs the chart does not grant"
+    # Only admission-time needs go unobserved here: blockOwnerDeletion checks update on finalizers.
+    assert granted - used == {(names.GROUP, f"{names.PLURAL}/finalizers", "update")}, json.dumps(
+        sorted(granted - used)
+    )

@@ -1,0 +1,118 @@
+"""One reconcile pass, called directly against the local API (no kopf): the paths that need no
+operator process — ServiceMonitors with and without their CRD or RBAC, stale status writes."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import kmock
+import kopf
+import pytest
+
+from kvpilot.operator import names
+from kvpilot.operator.kube import ApiError, KubeClient, object_path
+from kvpilot.operator.reconcile import reconcile
+from tests.operator.conftest import BASE_ISVC
+
+NS = "direct"
+MONITORS = f"/apis/monitoring.coreos.com/v1/namespaces/{NS}/servicemonitors"
+
+
+def run(api, coro_fn):
+    """Run ``coro_fn(kube)`` with a client logged in to the local API; close the client after."""
+
+    async def main():
+        kube = KubeClient()
+        kube.use(kopf.ConnectionInfo(server=api.url))
+        try:
+            return await coro_fn(kube)
+        finally:
+            await kube.close()
+
+    return asyncio.run(main())
+
+
+def create(api, name: str, **spec) -> dict:
+    isvc = copy.deepcopy(BASE_ISVC)
+    isvc["metadata"] = {"name": name, "namespace": NS}
+    isvc["spec"].update(spec)
+    return api.create(f"/apis/{names.API_VERSION}/namespaces/{NS}/inferenceservices", isvc)
+
+
+def fresh(api, name: str) -> dict:
+    return api.get(object_path(names.API_VERSION, names.KIND, NS, name))
+
+
+def reconcile_once(api, name: str, **kwargs):
+    events: list[tuple[str, str, str]] = []
+
+    async def go(kube):
+        return await reconcile(kube, fresh(api, name), lambda *e: events.append(e), **kwargs)
+
+    return run(api, go), events
+
+
+MONITORING = {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}
+
+
+def test_service_monitor_needs_the_operator_flag(api):
+    create(api, "no-flag", monitoring=MONITORING)
+    before = len(api.writes)
+    outcome, events = reconcile_once(api, "no-flag", service_monitors=False)
+    assert [w for w in api.writes[before:] if "servicemonitors" in w[1]] == []
+    assert not any(resource == "servicemonitors" for _, resource, _ in api.verbs)
+    assert "--service-monitors" in outcome.warnings[0]
+    assert ("Warning", "ServiceMonitorUnavailable", outcome.warnings[0]) in events
+    assert len(outcome.written) == 3
+    _, quiet = reconcile_once(api, "no-flag", service_monitors=False, announce=False)
+    assert quiet == [], "periodic passes do not repeat the warning"
+
+
+def test_service_monitor_without_its_crd_is_skipped(api):
+    create(api, "no-crd", monitoring=MONITORING)
+    outcome, _ = reconcile_once(api, "no-crd", service_monitors=True)
+    assert sorted(outcome.written) == ["Created Deployment no-crd", "Created PodDisruptionBudget no-crd",
+                                       "Created Service no-crd"]  # fmt: skip
+    assert fresh(api, "no-crd")["status"]["phase"] == "Pending"
+
+
+@pytest.fixture
+def monitoring_crd(api):
+    resource = "monitoring.coreos.com/v1/servicemonitors"
+    api.server.resources[resource] = kmock.ResourceInfo(kind="ServiceMonitor", namespaced=True)
+    yield
+    del api.server.resources[resource]
+
+
+def test_service_monitor_is_created_and_pruned(api, monitoring_crd):
+    create(api, "monitored", monitoring=MONITORING)
+    outcome, _ = reconcile_once(api, "monitored", service_monitors=True)
+    assert "Created ServiceMonitor monitored" in outcome.written
+    monitor = api.get(f"{MONITORS}/monitored")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["metadata"]["ownerReferences"][0]["uid"] == fresh(api, "monitored")["metadata"]["uid"]
+    again, _ = reconcile_once(api, "monitored", service_monitors=True)
+    assert again.written == [] and again.status_written is False
+    path = object_path(names.API_VERSION, names.KIND, NS, "monitored")
+    api.merge_patch(path, {"spec": {"monitoring": {"serviceMonitor": {"enabled": False}}}})
+    pruned, _ = reconcile_once(api, "monitored", service_monitors=True)
+    assert pruned.written == ["Deleted ServiceMonitor monitored"]
+    assert api.get(f"{MONITORS}/monitored") is None
+
+
+def test_stale_status_write_is_refused(api):
+    create(api, "stale")
+    stale = fresh(api, "stale")
+    path = object_path(names.API_VERSION, names.KIND, NS, "stale")
+    api.merge_patch(path + "/status", {"status": {"signals": {"kvCacheUsage": 0.5}}})
+
+    async def go(kube):
+        return await reconcile(kube, stale, lambda *e: None)
+
+    with pytest.raises(ApiError) as raised:
+        run(api, go)
+    assert raised.value.status == 409
+    outcome, _ = reconcile_once(api, "stale")
+    assert outcome.status_written is True
+    assert fresh(api, "stale")["status"]["signals"] == {"kvCacheUsage": 0.5}, "foreign status fields survive"

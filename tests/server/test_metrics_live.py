@@ -1,0 +1,237 @@
+"""``/metrics`` of a live server, parsed with prometheus-client's text parser: counters move by exactly
+what known traffic implies; preemptions under a tiny KV pool; aborts on client disconnect free the KV
+blocks within a second; a full waiting queue answers 503 with Retry-After."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from kvpilot.engine import metrics_names as names
+
+from .conftest import MODEL_NAME
+
+NO_EOS = {"extra_body": {"ignore_eos": True}}
+
+
+def delta(before, after, name: str, **labels) -> float:
+    return after.value(name, **labels) - before.value(name, **labels)
+
+
+def test_every_metric_name_is_exported_with_config_labels(server):
+    metrics = server.metrics()
+    exported = {names.base_name(s.name) for s in metrics.samples}
+    assert set(names.ALL_METRICS) <= exported
+    assert set(names.EXPORTED_ALIASES) <= exported
+    assert {f.name: f.type for f in metrics.families.values()}[names.KV_CACHE_USAGE_PERC] == "gauge"
+
+    cache = metrics.labels(names.CACHE_CONFIG_INFO)
+    assert cache["block_size"] == "16"
+    assert cache["num_gpu_blocks"] == "512"
+    assert cache["num_cpu_blocks"] == "0"
+    assert cache["gpu_memory_utilization"] == "0.9"
+    assert cache["enable_prefix_caching"] == "True"
+    assert cache["preemption_mode"] == "recompute"
+    assert "model_name" not in cache
+    model = metrics.labels(names.MODEL_CONFIG_INFO)
+    assert (model["num_attention_heads"], model["num_key_value_heads"]) == ("4", "2")
+    assert (model["tensor_parallel_size"], model["pipeline_parallel_size"]) == ("1", "1")
+    assert model["max_model_len"] == "2048"
+    for reason in names.FINISHED_REASONS:
+        metrics.value(names.REQUEST_SUCCESS_TOTAL, finished_reason=reason)  # present from start-up
+
+
+def test_counters_move_by_exactly_the_traffic(server):
+    client = server.client()
+    tag = uuid.uuid4().hex[:6]
+    before = server.metrics()
+    usages = []
+    for i, max_tokens in enumerate((5, 7, 9)):
+        resp = client.completions.create(
+            model=MODEL_NAME, prompt=f"probe {tag} {i}", max_tokens=max_tokens, temperature=0.0, **NO_EOS
+        )
+        assert resp.choices[0].finish_reason == "length"
+        usages.append(resp.usage)
+    # The same prompt twice: once to learn its text (finishes by length), once stopped by a string in it.
+    unstopped = client.completions.create(
+        model=MODEL_NAME, prompt=f"stop {tag}", max_tokens=20, temperature=0.0, **NO_EOS
+    )
+    usages.append(unstopped.usage)
+    stop = unstopped.choices[0].text[8:11]
+    stopped = client.completions.create(
+        model=MODEL_NAME, prompt=f"stop {tag}", max_tokens=20, temperature=0.0, stop=[stop], **NO_EOS
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    usages.append(stopped.usage)
+    after = server.metrics()
+
+    num_prompt = sum(u.prompt_tokens for u in usages)
+    num_generated = sum(u.completion_tokens for u in usages)
+    num_requests = len(usages)
+    assert delta(before, after, names.PROMPT_TOKENS_TOTAL) == num_prompt
+    assert delta(before, after, names.GENERATION_TOKENS_TOTAL) == num_generated
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == 4
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="stop") == 1
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 0
+    assert delta(before, after, names.NUM_PREEMPTIONS_TOTAL) == 0
+    assert delta(before, after, names.TIME_TO_FIRST_TOKEN_SECONDS + "_count") == num_requests
+    assert delta(before, after, names.E2E_REQUEST_LATENCY_SECONDS + "_count") == num_requests
+    assert delta(before, after, names.REQUEST_QUEUE_TIME_SECONDS + "_count") == num_requests
+    assert delta(before, after, names.INTER_TOKEN_LATENCY_SECONDS + "_count") == num_generated - num_requests
+    assert delta(before, after, names.REQUEST_PROMPT_TOKENS + "_sum") == num_prompt
+    assert delta(before, after, names.REQUEST_GENERATION_TOKENS + "_sum") == num_generated
+    # Prompts are shorter than a block, so nothing comes from the prefix cache: every prompt token and
+    # every fed-back generated token (all but each request's last) goes through the model once.
+    assert delta(before, after, names.PREFIX_CACHE_QUERIES_TOTAL) == num_prompt
+    assert delta(before, after, names.PREFIX_CACHE_HITS_TOTAL) == 0
+    assert (
+        delta(before, after, names.ITERATION_TOKENS_TOTAL + "_sum")
+        == num_prompt + num_generated - num_requests
+    )
+    assert after.value(names.E2E_REQUEST_LATENCY_SECONDS + "_sum") > before.value(
+        names.E2E_REQUEST_LATENCY_SECONDS + "_sum"
+    )
+    for gauge in (names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING, names.KV_CACHE_USAGE_PERC):
+        assert after.value(gauge) == 0
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs_exact(pool_server):
+    """8 blocks x 16 tokens; four sequences that each grow to 3 blocks cannot all run at once."""
+    client = pool_server.client()
+    prompts = [f"# job {i}\n" for i in range(4)]
+    before = pool_server.metrics()
+    alone = [
+        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=40, temperature=0.0, **NO_EOS)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    middle = pool_server.metrics()
+    assert delta(before, middle, names.NUM_PREEMPTIONS_TOTAL) == 0
+
+    # One request with four prompts: they are admitted together and must take turns.
+    resp = client.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=40, temperature=0.0, **NO_EOS
+    )
+    after = pool_server.metrics()
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == alone
+    assert resp.usage.completion_tokens == 160
+    assert delta(middle, after, names.NUM_PREEMPTIONS_TOTAL) >= 1
+    assert delta(middle, after, names.GENERATION_TOKENS_TOTAL) == 160  # recompute re-feeds, never re-samples
+    assert delta(middle, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == 4
+    assert after.value(names.KV_CACHE_USAGE_PERC) == 0.0
+    assert after.value(names.NUM_REQUESTS_WAITING) == 0
+
+
+def test_stream_disconnect_aborts_and_frees_blocks_within_a_second(server):
+    client = server.client()
+    before = server.metrics()
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="def long_function():\n",
+        max_tokens=1900,
+        temperature=0.0,
+        stream=True,
+        **NO_EOS,
+    )
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    running = server.metrics()
+    assert running.value(names.NUM_REQUESTS_RUNNING) == 1
+    assert running.value(names.KV_CACHE_USAGE_PERC) > 0
+    stream.close()
+    server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=1.0)
+    server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=1.0)
+    after = server.metrics()
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 1
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == 0
+    assert delta(before, after, names.GENERATION_TOKENS_TOTAL) < 1900
+
+
+def test_non_streaming_client_timeout_aborts(server):
+    before = server.metrics()
+    with pytest.raises(httpx.TimeoutException):
+        server.post(
+            "/v1/chat/completions",
+            timeout=0.5,
+            json={
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "write a novel"}],
+                "max_tokens": 1900,
+                "ignore_eos": True,
+            },
+        )
+    server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=1.0)
+    server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=1.0)
+    after = server.metrics()
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 1
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == 0
+
+
+def test_full_waiting_queue_answers_503_with_retry_after(queue_server):
+    """One sequence may run and one may wait; the next request is refused until the queue drains."""
+    client = queue_server.client()
+    before = queue_server.metrics()
+    running = client.completions.create(
+        model=MODEL_NAME, prompt="first", max_tokens=1900, temperature=0.0, stream=True, **NO_EOS
+    )
+    next(iter(running))
+    waiting = client.completions.create(
+        model=MODEL_NAME, prompt="second", max_tokens=1900, temperature=0.0, stream=True, **NO_EOS
+    )
+    queue_server.wait_metric(names.NUM_REQUESTS_WAITING, lambda v: v == 1, timeout_s=5.0)
+
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model=MODEL_NAME, prompt="third", max_tokens=4)
+    assert err.value.status_code == 503
+    assert err.value.response.headers["retry-after"] == "1"
+    error = err.value.response.json()["error"]
+    assert error["code"] == "server_overloaded" and error["type"] == "server_error"
+    assert "waiting queue is full (1 waiting, limit 1)" in error["message"]
+    assert queue_server.metrics().value(names.NUM_REQUESTS_WAITING) == 1
+
+    # Leaving while still queued aborts too (nothing had been streamed yet).
+    waiting.close()
+    queue_server.wait_metric(names.NUM_REQUESTS_WAITING, lambda v: v == 0, timeout_s=1.0)
+    running.close()
+    queue_server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=1.0)
+    queue_server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=1.0)
+    after = queue_server.metrics()
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 2
+
+    # With the queue empty, requests are admitted again.
+    resp = client.completions.create(model=MODEL_NAME, prompt="fourth", max_tokens=3, **NO_EOS)
+    assert resp.usage.completion_tokens == 3
+
+
+def test_health_and_metrics_answer_while_the_engine_is_busy(server):
+    """A long generation must not block the operational endpoints (the loop runs on its own thread)."""
+    client = server.client()
+    done = threading.Event()
+
+    def generate():
+        try:
+            client.completions.create(
+                model=MODEL_NAME, prompt="busy", max_tokens=300, temperature=0.0, **NO_EOS
+            )
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    try:
+        server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 1, timeout_s=5.0)
+        latencies = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+            latencies.append(time.monotonic() - t0)
+        assert max(latencies) < 1.0, latencies
+    finally:
+        worker.join(timeout=60)
+    assert done.is_set()
