@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvpilot.kernels.metadata import AttentionMetadata
 

@@ -1,0 +1,65 @@
+"""Backend choice: names, the environment override, and the torch path with triton absent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvpilot.kernels import get_backend, resolve_backend_name, torch_ops
+
+
+def test_explicit_names_and_auto_on_cpu(monkeypatch):
+    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+    assert resolve_backend_name("torch", "cuda") == "torch"
+    assert resolve_backend_name("triton", "cpu") == "triton"
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    backend = get_backend("torch", "cpu")
+    assert backend.name == "torch" and backend.paged_attention is torch_ops.paged_attention
+
+
+def test_environment_overrides_auto_only(monkeypatch):
+    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "triton")
+    assert resolve_backend_name("auto", "cpu") == "triton"
+    assert resolve_backend_name("torch", "cpu") == "torch"
+
+
+def test_unknown_name_is_rejected(monkeypatch):
+    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+    with pytest.raises(ValueError, match="auto, torch, triton"):
+        resolve_backend_name("flash", "cpu")
+
+
+def test_torch_path_works_without_triton(tmp_path):
+    """With triton unimportable, ``auto`` falls back to torch even on CUDA and attention still runs;
+    choosing torch never imports triton."""
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # any `import triton` now raises ImportError
+        import torch
+        from kvpilot.kernels import AttentionMetadata, get_backend, resolve_backend_name
+
+        assert resolve_backend_name("auto", "cuda") == "torch"
+        backend = get_backend("auto", "cpu")
+        q = torch.randn(3, 4, 64)
+        k_cache = torch.randn(4, 8, 2, 64)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([0, 8, 9]), query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32),
+            seq_lens=torch.tensor([5, 2], dtype=torch.int32),
+            block_tables=torch.tensor([[2], [1]], dtype=torch.int32), max_query_len=2, max_seq_len=5,
+            num_decodes=1, query_start_loc_host=[0, 1, 3], seq_lens_host=[5, 2],
+        )
+        backend.write_kv_cache(q[:, :2], q[:, 2:], k_cache, k_cache.clone(), meta.slot_mapping)
+        out = backend.paged_attention(q, k_cache, k_cache, meta, 0.125)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+        assert sys.modules["triton"] is None
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
