@@ -199,6 +199,10 @@ class BlockManager:
         # Tail blocks first, so that they are evicted before the shared prefix blocks.
         for block in reversed(table):
             self._release(block)
+        # A copy-on-write target freed in the same step must not be copied into any more: the block
+        # may be handed out again this step, even as the target of another copy.
+        if self.pending_copies:
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if self.ref_counts[d] > 0]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -47,6 +47,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     output_token_ids: list[int]  # generated so far (for penalties and seeds); read-only
     prompt_token_ids: list[int]  # read-only
+    eos_token_id: int | None
 
 
 @dataclass
@@ -222,6 +223,7 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     output_token_ids=req.output_token_ids,
                     prompt_token_ids=req.prompt_token_ids,
+                    eos_token_id=req.eos_token_id,
                 )
             )
         return SchedulerOutput(
@@ -233,7 +235,12 @@ class Scheduler:
 
     def _unadmit(self, req: Request) -> None:
         """Undo ``allocate_prefix`` for a request that stays waiting."""
-        self.block_manager.free(req)
+        bm = self.block_manager
+        bm.free(req)
+        # The lookup is retried at its next admission attempt: count each admission once.
+        if bm.enable_prefix_caching:
+            bm.prefix_queries -= req.num_tokens
+            bm.prefix_hits -= req.num_cached_tokens
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
 
