@@ -7,6 +7,14 @@ request is ever partly filled. Blocks carry reference counts: prefix caching and
 search) let several requests point at the same physical block; a request about to write into a shared
 partial block first gets a private copy (copy-on-write), reported in ``pending_copies``.
 
+Swapping: with a CPU pool (``num_cpu_blocks``), ``swap_out`` moves a request's blocks to CPU blocks and
+``swap_in`` brings them back into fresh device blocks. The copies themselves are the runner's job: it
+executes one step's pending operations in the order swap-out, copy-on-write, swap-in, before the
+forward pass. That order is safe because a block freed by a swap-out can be handed out again in the
+same step (to a copy-on-write target, a swap-in or new tokens), and each of those writes after the
+swap-out has read it; a request swapped out while its own copy-on-write is still pending has the
+copy's source swapped out instead.
+
 Prefix caching: once a block is full, it is identified by the key ``(id of the parent block's key, its
 token ids)``. Keys are compared exactly (a dictionary holds the token tuples), so two different prefixes
 can never share KV, whatever their hashes; key ids are never reused. A new request reuses the longest run
@@ -24,7 +32,9 @@ from kvpilot.engine.request import Request
 class BlockManager:
     """Allocates KV blocks to requests; all methods are O(blocks touched)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -42,6 +52,14 @@ class BlockManager:
         self.block_tables: dict[str, list[int]] = {}
         self._key_chain: dict[str, list[int]] = {}  # key ids of a request's full blocks, in order
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write pairs for this step
+        # CPU pool for swapped-out requests.
+        self.num_cpu_blocks = num_cpu_blocks
+        self._free_cpu: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.cpu_tables: dict[str, list[int]] = {}
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, cpu block)
+        self.pending_swap_in: list[tuple[int, int]] = []  # (cpu block, device block)
+        # CPU blocks read by this step's swap-ins: reusable once the step's operations are taken.
+        self._cpu_released: list[int] = []
         # Counters read by the metrics: prompt tokens looked up in / found in the prefix cache.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -55,6 +73,17 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by live requests (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self._free_cpu)
+
+    @property
+    def cpu_usage(self) -> float:
+        """Fraction of the CPU swap pool holding swapped-out blocks (0 without a pool)."""
+        if not self.num_cpu_blocks:
+            return 0.0
+        return 1.0 - (len(self._free_cpu) + len(self._cpu_released)) / self.num_cpu_blocks
 
     def get_block_table(self, req_id: str) -> list[int]:
         return self.block_tables.get(req_id, [])
@@ -190,8 +219,58 @@ class BlockManager:
         self.block_tables[child.req_id] = list(table)
         self._key_chain[child.req_id] = list(self._key_chain[parent.req_id])
 
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, req: Request) -> bool:
+        return len(self.block_tables.get(req.req_id, ())) <= len(self._free_cpu)
+
+    def swap_out(self, req: Request) -> None:
+        """Move every block of ``req`` to the CPU pool (caller checked ``can_swap_out``)."""
+        table = self.block_tables.pop(req.req_id)
+        self._key_chain.pop(req.req_id, None)
+        # A block whose copy-on-write copy has not run yet holds nothing: swap out the copy's source.
+        pending_src = {dst: src for src, dst in self.pending_copies}
+        cpu_table = []
+        for block in table:
+            cpu = self._free_cpu.pop()
+            self.pending_swap_out.append((pending_src.get(block, block), cpu))
+            cpu_table.append(cpu)
+        self.cpu_tables[req.req_id] = cpu_table
+        for block in reversed(table):
+            self._release(block)
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if self.ref_counts[d] > 0]
+
+    def can_swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        """Whether ``req``'s swapped blocks plus room for ``num_new_tokens`` fit the free pool."""
+        cpu_table = self.cpu_tables[req.req_id]
+        needed = max(len(cpu_table), self.num_blocks_needed(req.num_computed_tokens + num_new_tokens))
+        return needed <= self.num_free_blocks
+
+    def swap_in(self, req: Request) -> None:
+        """Bring ``req``'s blocks back from the CPU pool into free device blocks."""
+        cpu_table = self.cpu_tables.pop(req.req_id)
+        table = []
+        for cpu in cpu_table:
+            block = self._pop_free()
+            self.pending_swap_in.append((cpu, block))
+            table.append(block)
+        self._cpu_released.extend(cpu_table)
+        self.block_tables[req.req_id] = table
+        self._key_chain[req.req_id] = []
+        self.cache_full_blocks(req)
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (swap-out, swap-in) pairs; CPU blocks read by the swap-ins become free again."""
+        out, self.pending_swap_out = self.pending_swap_out, []
+        into, self.pending_swap_in = self.pending_swap_in, []
+        self._free_cpu.extend(self._cpu_released)
+        self._cpu_released = []
+        return out, into
+
     def free(self, req: Request) -> None:
         """Release every block of ``req`` (finish, abort or recompute preemption). Idempotent."""
+        cpu_table = self.cpu_tables.pop(req.req_id, None)
+        if cpu_table is not None:
+            self._free_cpu.extend(cpu_table)
         table = self.block_tables.pop(req.req_id, None)
         self._key_chain.pop(req.req_id, None)
         if table is None:

@@ -19,6 +19,7 @@ from kvpilot.engine.memory import (
     GiB,
     KVPoolPlan,
     cpu_activation_estimate,
+    format_bytes,
     plan_kv_pool,
     total_system_memory,
 )
@@ -112,9 +113,13 @@ class LLMEngine:
         self.sampler = Sampler(args.seed, self.device)
         self.runner = ModelRunner(self.model, self.backend, self.device, args.block_size, self.sampler)
         self.kv_plan = self._plan_kv_pool()
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks)
+        # The CPU swap pool exists only in swap mode: swap_space GiB of host memory.
+        self.num_cpu_blocks = 0
+        if args.preemption_mode == "swap":
+            self.num_cpu_blocks = int(args.swap_space * GiB) // self.kv_plan.bytes_per_block
+        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.num_cpu_blocks)
         self.block_manager = BlockManager(
-            self.kv_plan.num_blocks, args.block_size, args.enable_prefix_caching
+            self.kv_plan.num_blocks, args.block_size, args.enable_prefix_caching, self.num_cpu_blocks
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -149,6 +154,12 @@ class LLMEngine:
             time.monotonic() - t0,
         )
         logger.info(self.kv_plan.describe(self.max_model_len))
+        if self.num_cpu_blocks:
+            logger.info(
+                "swap space: %s, %d CPU blocks",
+                format_bytes(self.num_cpu_blocks * self.kv_plan.bytes_per_block),
+                self.num_cpu_blocks,
+            )
 
     # ------------------------------------------------------------------ set-up helpers
     @staticmethod
@@ -267,14 +278,8 @@ class LLMEngine:
                     arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                 )
             )
-        added = []
-        try:
-            for seq in seqs:
-                self.scheduler.add_request(seq)
-                added.append(seq.req_id)
-        except ValueError:
-            self.scheduler.abort_requests(added)
-            raise
+        # All or nothing: the scheduler validates every sequence before queueing any.
+        self.scheduler.add_request(seqs[0], siblings=seqs[1:])
         detoks = [
             IncrementalDetokenizer(
                 self.tokenizer,
@@ -323,6 +328,10 @@ class LLMEngine:
         preempted_before = self.scheduler.num_preemptions_total
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
+            return []
+        if not sched_out.scheduled:
+            # Everything runnable was preempted: only move the blocks this step released.
+            self.runner.apply_block_ops(sched_out)
             return []
         t1 = time.perf_counter()
         result = self.runner.execute(sched_out)

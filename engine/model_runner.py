@@ -54,14 +54,25 @@ class KVCache:
         head_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_size)
         # Zero-filled: masked-out padding slots are read by batched attention and must stay finite.
-        self.data = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device
-        )
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+        # The swap pool lives in host memory (pinned on CUDA so that copies are asynchronous DMA).
+        cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_size)
+        pin = device.type == "cuda"
+        self.cpu_data = (
+            torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=pin) if num_cpu_blocks else None
+        )
+
+    def blocks_view(self, on_cpu: bool = False) -> torch.Tensor:
+        """The pool with the block dimension first: ``[num_blocks, num_layers, 2, block_size, heads, d]``."""
+        data = self.cpu_data if on_cpu else self.data
+        return data.permute(2, 0, 1, 3, 4, 5)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_size: int, dtype) -> int:
@@ -91,7 +102,7 @@ class ModelRunner:
         self.sampler = sampler
         self.kv_cache: KVCache | None = None
 
-    def allocate_kv_cache(self, num_blocks: int) -> KVCache:
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> KVCache:
         cfg = self.model.config
         self.kv_cache = KVCache(
             cfg.num_hidden_layers,
@@ -101,8 +112,29 @@ class ModelRunner:
             cfg.head_dim,
             self.model.embed_tokens.weight.dtype,
             self.device,
+            num_cpu_blocks,
         )
         return self.kv_cache
+
+    def apply_block_ops(self, out: SchedulerOutput) -> None:
+        """Swap out, copy on write, swap in -- in that order (see ``BlockManager``)."""
+        kv = self.kv_cache
+        if out.blocks_to_swap_out:
+            mapping = torch.tensor(out.blocks_to_swap_out, dtype=torch.int64)
+            self.backend.swap_blocks(kv.blocks_view(), kv.blocks_view(on_cpu=True), mapping)
+        if out.blocks_to_copy:
+            layers = kv.layers
+            mapping = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
+            sources = {src for src, _ in out.blocks_to_copy}
+            if any(dst in sources for _, dst in out.blocks_to_copy):
+                # A block freed after being read can be a later copy's target: keep the list's order.
+                for row in mapping:
+                    self.backend.copy_blocks([k for k, _ in layers], [v for _, v in layers], row[None])
+            else:
+                self.backend.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
+        if out.blocks_to_swap_in:
+            mapping = torch.tensor(out.blocks_to_swap_in, dtype=torch.int64)
+            self.backend.swap_blocks(kv.blocks_view(on_cpu=True), kv.blocks_view(), mapping)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         """Flatten the step into token ids, positions, slots and block tables."""
@@ -160,10 +192,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Copy-on-write, one forward over the flattened batch, then sample the requests that need it."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
-        if out.blocks_to_copy:
-            mapping = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
-            layers = self.kv_cache.layers
-            self.backend.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
+        if out.has_block_ops:
+            self.apply_block_ops(out)
+        if not out.scheduled:
+            return ModelRunnerOutput([], [], [])
         t0 = time.perf_counter()
         inputs = self.prepare_inputs(out)
         t1 = time.perf_counter()

@@ -8,8 +8,17 @@ Every step fills a token budget of ``max_num_batched_tokens``:
 
 A request never distinguishes prefill from decode: it feeds ``num_tokens - num_computed_tokens`` tokens,
 clipped to what is left of the budget. When a running request cannot get a KV block, the newest running
-request is preempted (recompute: its blocks are freed and it re-queues at the front of the waiting
-queue, to re-prefill prompt + generated tokens later).
+request is preempted:
+
+* ``recompute``: its blocks are freed and it re-queues at the front of the waiting queue, to re-prefill
+  prompt + generated tokens later;
+* ``swap``: its blocks move to the CPU pool and it waits in the swapped queue; swapped requests resume
+  (oldest first, before any waiting request is admitted) as soon as their blocks fit again. When the CPU
+  pool is full the victim is recomputed instead (counted in ``num_swap_fallbacks``).
+
+Parallel sampling (``n > 1``) shares the prompt: the first sequence prefills all but the last prompt
+token, then its siblings fork from it (sharing every block by reference) and each computes the last
+prompt token itself, copying the shared partial block on write.
 """
 
 from __future__ import annotations
@@ -56,12 +65,20 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     num_batched_tokens: int  # sum of len(token_ids)
+    # Block operations, executed before the forward in this order: swap out, copy, swap in.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pairs
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
+    def has_block_ops(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_copy or self.blocks_to_swap_in)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to run and no block to move."""
+        return not self.scheduled and not self.has_block_ops
 
 
 @dataclass
@@ -76,6 +93,7 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries: int  # tokens looked up (cumulative)
     prefix_cache_hits: int  # tokens found (cumulative)
+    num_swap_fallbacks: int = 0  # swap preemptions done as recompute because the CPU pool was full
 
 
 @dataclass
@@ -95,12 +113,38 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.num_swap_fallbacks = 0
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, req: Request) -> None:
-        """Queue ``req``. Raises ValueError if it can never run (longer than ``max_model_len``)."""
+    def add_request(self, req: Request, siblings: list[Request] | None = None) -> None:
+        """Queue ``req``; ``siblings`` (n > 1) will fork from it and share its prompt blocks.
+
+        Raises ValueError if it can never run (longer than ``max_model_len``, bigger than the cache).
+        """
+        group = [req, *(siblings or [])]
+        if len(group) > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={len(group)} sequences exceed max_num_seqs ({self.config.max_num_seqs}); lower n"
+            )
+        for seq in group:
+            self._validate(seq)
+        for seq in group:
+            seq.status = RequestStatus.WAITING
+            self.requests[seq.req_id] = seq
+        if siblings and req.num_prompt_tokens > 1:
+            # Siblings wait for the prompt's KV: they fork from ``req`` once it is computed.
+            req.pending_forks = list(siblings)
+            for sib in siblings:
+                sib.status = RequestStatus.FORK_PENDING
+                sib.fork_parent = req
+            self.waiting.append(req)
+        else:
+            self.waiting.extend(group)
+
+    def _validate(self, req: Request) -> None:
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id!r}")
         if req.num_prompt_tokens == 0:
@@ -123,9 +167,6 @@ class Scheduler:
                 f"{req.max_output_tokens} output) but the whole cache holds {bm.num_blocks * bm.block_size} "
                 "tokens; shorten the prompt or lower max_tokens"
             )
-        req.status = RequestStatus.WAITING
-        self.requests[req.req_id] = req
-        self.waiting.append(req)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Stop these requests now and free their blocks. Unknown or finished ids are ignored."""
@@ -140,6 +181,10 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+            elif req.status == RequestStatus.FORK_PENDING:
+                req.fork_parent.pending_forks.remove(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -150,6 +195,13 @@ class Scheduler:
         req.status = status
         req.finished_time = time.monotonic()
         self.block_manager.free(req)
+        if req.pending_forks:
+            # The parent ends before sharing its prompt: its siblings go on by themselves.
+            for sib in req.pending_forks:
+                sib.fork_parent = None
+                sib.status = RequestStatus.WAITING
+                self.waiting.append(sib)
+            req.pending_forks = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -162,19 +214,21 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate their KV slots."""
+        bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, tuple[Request, int]] = {}
         preempted: list[str] = []
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        active = [r for r in self.running if not r.is_paused]
+        decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(req, num_new):
+            num_new = self._num_new_tokens(req, budget)
+            while not bm.allocate_slots(req, num_new):
                 victim = max(self.running, key=lambda r: r.arrival_seq)
                 if victim.req_id in scheduled:
                     budget += scheduled.pop(victim.req_id)[1]
@@ -186,29 +240,10 @@ class Scheduler:
                 scheduled[req.req_id] = (req, num_new)
                 budget -= num_new
 
-        # Admit waiting requests, unless this step already had to preempt (no room to spare).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            req = self.waiting[0]
-            fresh = req.req_id not in self.block_manager.block_tables
-            if fresh:
-                self.block_manager.allocate_prefix(req)
-            num_new = req.num_tokens - req.num_computed_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                if fresh:
-                    self._unadmit(req)
-                break
-            num_new = min(num_new, budget)
-            if not self.block_manager.allocate_slots(req, num_new):
-                if fresh:
-                    self._unadmit(req)
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            self.running.append(req)
-            scheduled[req.req_id] = (req, num_new)
-            budget -= num_new
+        # Resume swapped requests, then admit waiting ones -- unless this step had to preempt.
+        if not preempted:
+            budget = self._swap_in(budget, scheduled)
+            budget = self._admit(budget, scheduled)
 
         items = []
         for req, num_new in scheduled.values():
@@ -218,7 +253,7 @@ class Scheduler:
                     req_id=req.req_id,
                     token_ids=req.all_token_ids[start : start + num_new],
                     start_pos=start,
-                    block_table=self.block_manager.block_tables[req.req_id],
+                    block_table=bm.block_tables[req.req_id],
                     do_sample=start + num_new == req.num_tokens,
                     sampling_params=req.sampling_params,
                     output_token_ids=req.output_token_ids,
@@ -226,12 +261,101 @@ class Scheduler:
                     eos_token_id=req.eos_token_id,
                 )
             )
+        swap_out, swap_in = bm.take_pending_swaps()
         return SchedulerOutput(
             scheduled=items,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            blocks_to_copy=self.block_manager.take_pending_copies(),
+            blocks_to_swap_out=swap_out,
+            blocks_to_copy=bm.take_pending_copies(),
+            blocks_to_swap_in=swap_in,
             preempted_req_ids=preempted,
         )
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens ``req`` feeds this step: all it has not computed, within the budget -- and, while its
+        siblings wait to fork, no further than the last prompt token (which each computes itself)."""
+        end = req.num_tokens
+        if req.pending_forks:
+            end = req.num_prompt_tokens - 1
+        return min(end - req.num_computed_tokens, budget)
+
+    def _swap_in(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
+        bm = self.block_manager
+        for req in list(self.swapped):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if req.is_paused:
+                continue
+            num_new = self._num_new_tokens(req, budget)
+            if not bm.can_swap_in(req, num_new):
+                break  # oldest first: younger swapped requests wait too
+            bm.swap_in(req)
+            allocated = bm.allocate_slots(req, num_new)
+            assert allocated, "can_swap_in guaranteed room"
+            self.swapped.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.req_id] = (req, num_new)
+            budget -= num_new
+        return budget
+
+    def _admit(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
+        """Admit waiting requests in FCFS order (paused ones are passed over)."""
+        bm = self.block_manager
+        for req in list(self.waiting):
+            if budget == 0 or len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+                break
+            if req.is_paused:
+                continue
+            fresh = req.req_id not in bm.block_tables
+            if fresh:
+                bm.allocate_prefix(req)
+            if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1:
+                self._fork_siblings(req)  # the prefix cache already holds all but the last token
+            wanted = self._num_new_tokens(req, req.num_tokens)
+            if not self.config.enable_chunked_prefill and wanted > budget:
+                if fresh:
+                    self._unadmit(req)
+                break
+            num_new = min(wanted, budget)
+            if not bm.allocate_slots(req, num_new):
+                if fresh:
+                    self._unadmit(req)
+                break
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled[req.req_id] = (req, num_new)
+            budget -= num_new
+        return budget
+
+    def _fork_siblings(self, parent: Request) -> None:
+        """Fork ``parent``'s pending siblings: they share its blocks and join the running batch."""
+        siblings, parent.pending_forks = parent.pending_forks, []
+        for sib in siblings:
+            sib.fork_parent = None
+            self.fork(parent, sib)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start ``child`` from ``parent``'s computed state. ``child.all_token_ids`` must extend
+        ``parent``'s first ``num_computed_tokens`` tokens. A running parent shares its blocks (copy on
+        write); otherwise the child queues to compute its tokens itself."""
+        if child.req_id not in self.requests:
+            self._validate(child)
+            self.requests[child.req_id] = child
+        if parent.status == RequestStatus.RUNNING and parent.req_id in self.block_manager.block_tables:
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            if child.scheduled_time is None:
+                child.scheduled_time = time.monotonic()
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
 
     def _unadmit(self, req: Request) -> None:
         """Undo ``allocate_prefix`` for a request that stays waiting."""
@@ -245,18 +369,24 @@ class Scheduler:
         req.num_cached_tokens = 0
 
     def _preempt(self, req: Request) -> None:
-        """Recompute preemption: drop ``req``'s KV and queue it first to re-prefill everything."""
+        """Swap ``req``'s KV to the CPU pool (swap mode, if it fits) or drop it to re-prefill later."""
         self.running.remove(req)
-        self.block_manager.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
+        bm = self.block_manager
+        if self.config.preemption_mode == "swap":
+            if bm.can_swap_out(req):
+                bm.swap_out(req)
+                req.status = RequestStatus.SWAPPED
+                self.swapped.appendleft(req)  # victims are newest first: the oldest ends up in front
+                return
+            self.num_swap_fallbacks += 1
+        bm.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
-    def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[RequestUpdate]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Advance every scheduled request; append sampled tokens; finish those that stop.
 
         ``sampled`` maps req_id -> next token for every scheduled request with ``do_sample``.
@@ -269,6 +399,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(item.token_ids)
             self.block_manager.cache_full_blocks(req)
+            if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1:
+                self._fork_siblings(req)
             if not item.do_sample:
                 continue
             token = sampled[item.req_id]
@@ -303,10 +435,11 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_swapped=0,
+            num_swapped=len(self.swapped),
             kv_cache_usage=bm.usage,
-            cpu_cache_usage=0.0,
+            cpu_cache_usage=bm.cpu_usage,
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
+            num_swap_fallbacks=self.num_swap_fallbacks,
         )
