@@ -12,6 +12,8 @@ from typing import Any
 _EXPORTS = {
     "LLM": "kvpilot.engine.llm",
     "LLMEngine": "kvpilot.engine.llm_engine",
+    "BeamSearchParams": "kvpilot.engine.beam_search",
+    "BeamSearchOutput": "kvpilot.engine.llm",
     "EngineArgs": "kvpilot.engine.config",
     "SamplingParams": "kvpilot.engine.sampling_params",
     "RequestOutput": "kvpilot.engine.outputs",

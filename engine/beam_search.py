@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.scheduler import Scheduler
+
 
 @dataclass
 class BeamSearchParams:
@@ -132,3 +135,71 @@ class BeamSearchState:
                     )
                 )
         return sorted(hyps, key=lambda h: -h.score)[: self.params.beam_width]
+
+
+class BeamSearchGroup:
+    """Drives one beam search on the engine: its beams are ordinary sequences of the scheduler.
+
+    Each beam samples greedily with ``logprobs = num_candidates`` and then pauses (keeping its KV)
+    until every running beam of the group has reported for the same length; ``advance`` then runs
+    the selection, continues winners in place or forks them, and frees the losers.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, state: BeamSearchState, first: Request) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.state = state
+        self.beams: list[Request] = [first]
+        self.reports: dict[str, dict[int, float]] = {}
+        self._next_beam = 1
+
+    def on_sampled(self, seq: Request) -> bool:
+        """Record ``seq``'s candidates and pause it; True when every beam has reported."""
+        self.reports[seq.req_id] = seq.logprobs[-1]
+        seq.is_paused = True
+        return all(b.req_id in self.reports for b in self.beams)
+
+    def advance(self, scheduler: Scheduler) -> bool:
+        """Select the next beams (forking or freeing sequences); True when the search is done."""
+        continuations = self.state.step([self.reports[b.req_id] for b in self.beams])
+        self.reports.clear()
+        if self.state.done:
+            self.finish(scheduler)
+            return True
+        # A winner whose parent already holds its token continues in the parent; the rest fork.
+        chosen: list[Request | None] = [None] * len(continuations)
+        kept: set[str] = set()
+        for i, c in enumerate(continuations):
+            parent = self.beams[c.parent]
+            if parent.output_token_ids[-1] == c.token and parent.req_id not in kept:
+                chosen[i] = parent
+                kept.add(parent.req_id)
+        for i, c in enumerate(continuations):
+            if chosen[i] is None:
+                chosen[i] = self._fork(scheduler, self.beams[c.parent], c.token)
+        scheduler.finish_requests(
+            [b.req_id for b in self.beams if b.req_id not in kept], RequestStatus.FINISHED_ABORTED
+        )
+        for seq in chosen:
+            seq.is_paused = False
+        self.beams = chosen
+        return False
+
+    def _fork(self, scheduler: Scheduler, parent: Request, token: int) -> Request:
+        child = Request(
+            req_id=f"{self.request_id}#b{self._next_beam}",
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=parent.sampling_params,
+            eos_token_id=parent.eos_token_id,
+            arrival_time=parent.arrival_time,
+        )
+        self._next_beam += 1
+        child.output_token_ids = parent.output_token_ids[:-1] + [token]
+        child.all_token_ids = parent.all_token_ids[:-1] + [token]
+        child.logprobs = []
+        scheduler.fork(parent, child)
+        return child
+
+    def finish(self, scheduler: Scheduler) -> None:
+        """Free every remaining beam (the search is over or aborted)."""
+        scheduler.finish_requests([b.req_id for b in self.beams], RequestStatus.FINISHED_STOPPED)

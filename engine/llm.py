@@ -5,14 +5,31 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.engine.beam_search import BeamSearchParams
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` = prompt + generated tokens; ``text`` is the generated text."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
 
 
 class LLM:
@@ -82,6 +99,39 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (all searches run batched together); each output holds
+        ``beam_width`` sequences, best first. The beams share their common prefix's KV blocks."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt in prompts:
+                rid = str(next(self._ids))
+                engine.add_beam_search_request(rid, _prompt_input(prompt), params)
+                request_ids.append(rid)
+            outputs = self._run(request_ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        tokens=out.prompt_token_ids + c.token_ids,
+                        text=c.text,
+                        cum_logprob=c.cumulative_logprob,
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in out.outputs
+                ]
+            )
+            for out in outputs
+        ]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

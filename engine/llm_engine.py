@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpilot.engine.beam_search import BeamSearchGroup, BeamSearchParams, BeamSearchState
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import ConfigError, EngineArgs
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
@@ -134,6 +135,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._seq_owner: dict[str, _Tracked] = {}  # sequence id -> its user request
         self._seqs: dict[str, Request] = {}  # sequence id -> sequence
+        self._beam_groups: dict[str, BeamSearchGroup] = {}
+        self._beam_of: dict[str, BeamSearchGroup] = {}  # beam sequence id -> its search
         self.num_steps = 0
         # Callables (SchedulerStats, IterationStats) -> None, called after every step.
         self.stat_loggers: list = []
@@ -253,15 +256,8 @@ class LLMEngine:
         bad_stops = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}; got {bad_stops[:5]}")
-        if isinstance(prompt, str):
-            text = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            text = None
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self._prompt_token_ids(prompt)
         seqs = []
         for i in range(params.n):
             seq_params = params
@@ -298,6 +294,16 @@ class LLMEngine:
             self._seq_owner[seq.req_id] = tracked
             self._seqs[seq.req_id] = seq
 
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return token_ids
+
     def abort_request(self, request_ids: str | list[str]) -> int:
         """Abort requests now; their KV blocks are free when this returns. Unknown ids are ignored.
 
@@ -307,6 +313,11 @@ class LLMEngine:
             request_ids = [request_ids]
         num_aborted = 0
         for rid in request_ids:
+            group = self._beam_groups.get(rid)
+            if group is not None:
+                num_aborted += len(self.scheduler.abort_requests(b.req_id for b in group.beams))
+                self._forget_beams(group)
+                continue
             tracked = self._tracked.get(rid)
             if tracked is None:
                 continue
@@ -315,10 +326,78 @@ class LLMEngine:
         return num_aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._tracked)
+        return bool(self._tracked or self._beam_groups)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._tracked)
+        return len(self._tracked) + len(self._beam_groups)
+
+    # ------------------------------------------------------------------ beam search
+    def add_beam_search_request(
+        self, request_id: str, prompt: str | list[int], params: BeamSearchParams
+    ) -> None:
+        """Queue a beam search; its output (``beam_width`` sequences, best first) comes from ``step()``
+        when the search ends. Raises ValueError like ``add_request``."""
+        if request_id in self._tracked or request_id in self._beam_groups:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        token_ids = self._prompt_token_ids(prompt)
+        room = self.max_model_len - len(token_ids)
+        limited = BeamSearchParams(
+            params.beam_width, min(params.max_tokens, max(room, 1)), params.length_penalty, params.ignore_eos
+        )
+        state = BeamSearchState(limited, self.eos_token_id)
+        # Beams sample greedily and report their top candidates; the group decides when they stop.
+        seq_params = SamplingParams(
+            temperature=0.0,
+            max_tokens=state.params.max_tokens,
+            logprobs=state.num_candidates,
+            ignore_eos=True,
+        )
+        first = Request(f"{request_id}#b0", token_ids, seq_params, eos_token_id=self.eos_token_id)
+        self.scheduler.add_request(first)
+        group = BeamSearchGroup(request_id, prompt if isinstance(prompt, str) else None, state, first)
+        self._beam_groups[request_id] = group
+        self._register_beams(group)
+
+    def _register_beams(self, group: BeamSearchGroup) -> None:
+        for seq in group.beams:
+            self._beam_of[seq.req_id] = group
+            self._seqs[seq.req_id] = seq
+
+    def _forget_beams(self, group: BeamSearchGroup) -> None:
+        for rid in [rid for rid, g in self._beam_of.items() if g is group]:
+            del self._beam_of[rid]
+            self._seqs.pop(rid, None)
+        self._beam_groups.pop(group.request_id, None)
+
+    def _advance_beam_groups(self, updates) -> list[RequestOutput]:
+        ready = {}
+        for upd in updates:
+            group = self._beam_of.get(upd.request.req_id)
+            if group is not None and group.on_sampled(upd.request):
+                ready[group.request_id] = group
+        outputs = []
+        for group in ready.values():
+            if group.advance(self.scheduler):
+                outputs.append(self._beam_output(group))
+                self._forget_beams(group)
+            else:
+                self._register_beams(group)
+        return outputs
+
+    def _beam_output(self, group: BeamSearchGroup) -> RequestOutput:
+        first = group.beams[0] if group.beams else None
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                token_ids=h.token_ids,
+                cumulative_logprob=h.cum_logprob,
+                finish_reason=h.finish_reason,
+            )
+            for i, h in enumerate(group.state.results())
+        ]
+        prompt_ids = first.prompt_token_ids if first is not None else []
+        return RequestOutput(group.request_id, group.prompt, prompt_ids, completions, finished=True)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -343,7 +422,9 @@ class LLMEngine:
         for req_id, lp in zip(result.req_ids, result.logprobs, strict=True):
             if lp is not None:
                 self._seqs[req_id].logprobs.append(lp)
-        outputs = self._process_updates(updates)
+        outputs = self._process_updates([u for u in updates if u.request.req_id not in self._beam_of])
+        if self._beam_groups:
+            outputs += self._advance_beam_groups(updates)
         if self.stat_loggers:
             self._log_stats(sched_out, result, updates, prev_token_time, preempted_before, t0, t1, t2)
         return outputs

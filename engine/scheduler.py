@@ -287,7 +287,7 @@ class Scheduler:
             if req.is_paused:
                 continue
             num_new = self._num_new_tokens(req, budget)
-            if not bm.can_swap_in(req, num_new):
+            if not self._make_room(lambda req=req, n=num_new: bm.can_swap_in(req, n)):
                 break  # oldest first: younger swapped requests wait too
             bm.swap_in(req)
             allocated = bm.allocate_slots(req, num_new)
@@ -318,7 +318,7 @@ class Scheduler:
                     self._unadmit(req)
                 break
             num_new = min(wanted, budget)
-            if not bm.allocate_slots(req, num_new):
+            if not self._make_room(lambda req=req, n=num_new: bm.allocate_slots(req, n)):
                 if fresh:
                     self._unadmit(req)
                 break
@@ -330,6 +330,19 @@ class Scheduler:
             scheduled[req.req_id] = (req, num_new)
             budget -= num_new
         return budget
+
+    def _make_room(self, fits) -> bool:
+        """``fits()`` or, failing that, preempt paused running requests (newest first) until it does.
+
+        Paused requests hold blocks but cannot run before others catch up (beam search): when those
+        others need the room, the paused ones make way instead of deadlocking the step loop.
+        """
+        while not fits():
+            paused = [r for r in self.running if r.is_paused]
+            if not paused:
+                return False
+            self._preempt(max(paused, key=lambda r: r.arrival_seq))
+        return True
 
     def _fork_siblings(self, parent: Request) -> None:
         """Fork ``parent``'s pending siblings: they share its blocks and join the running batch."""

@@ -37,10 +37,17 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], _Recorder]:
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """Greedy outputs with a pool big enough that nothing is ever preempted."""
-    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=1024, max_model_len=128,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_llama),
+        block_size=8,
+        num_gpu_blocks_override=1024,
+        max_model_len=128,
+        enable_prefix_caching=False,
+    )
     prompts = _workload(llm.llm_engine.model_config.vocab_size)
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + i % 17, ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + i % 17, ignore_eos=True) for i in range(len(prompts))
+    ]
     outs, rec = _run(llm, prompts, params)
     assert rec.sched[-1].num_preemptions_total == 0
     return prompts, params, outs
@@ -51,9 +58,16 @@ def reference(tiny_llama):
 def test_tiny_pool_preempts_and_loses_nothing(tiny_llama, reference, mode, prefix_caching):
     prompts, params, expected = reference
     # 16 blocks of 8 = 128 tokens for 24 requests of up to 64 tokens each: constant preemption.
-    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=16, max_model_len=128,
-              max_num_batched_tokens=64, preemption_mode=mode, enable_prefix_caching=prefix_caching,
-              swap_space=6 * 2 * 2 * 8 * 2 * 16 * 4 / 2**30)  # room for 6 blocks of 2 KiB
+    llm = LLM(
+        str(tiny_llama),
+        block_size=8,
+        num_gpu_blocks_override=16,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        preemption_mode=mode,
+        enable_prefix_caching=prefix_caching,
+        swap_space=6 * 2 * 2 * 8 * 2 * 16 * 4 / 2**30,
+    )  # room for 6 blocks of 2 KiB
     engine = llm.llm_engine
     if mode == "swap":
         assert engine.num_cpu_blocks == 6
@@ -78,8 +92,16 @@ def test_tiny_pool_preempts_and_loses_nothing(tiny_llama, reference, mode, prefi
 def test_swap_mode_without_fallback(tiny_llama, reference):
     """With a CPU pool that holds everything, every preemption is a swap (no recompute at all)."""
     prompts, params, expected = reference
-    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=16, max_model_len=128,
-              max_num_batched_tokens=64, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_llama),
+        block_size=8,
+        num_gpu_blocks_override=16,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_space=0.01,
+        enable_prefix_caching=False,
+    )
     outs, rec = _run(llm, prompts, params)
     assert outs == expected
     final = llm.llm_engine.stats()
@@ -131,8 +153,10 @@ def test_parallel_sampling_shares_the_prompt_blocks(tiny_llama):
     assert in_use[1] == 6 and max_refs[1] == 4
     assert len(outputs.outputs) == 4
     for i, completion in enumerate(outputs.outputs):
-        alone = llm.generate({"prompt_token_ids": prompt},
-                             SamplingParams(temperature=1.0, seed=11 + i, max_tokens=12, ignore_eos=True))[0]
+        alone = llm.generate(
+            {"prompt_token_ids": prompt},
+            SamplingParams(temperature=1.0, seed=11 + i, max_tokens=12, ignore_eos=True),
+        )[0]
         assert completion.token_ids == alone.outputs[0].token_ids, f"child {i}"
     assert len({tuple(c.token_ids) for c in outputs.outputs}) > 1, "siblings sample differently"
     assert bm.num_free_blocks == bm.num_blocks

@@ -1,0 +1,108 @@
+"""Beam search against transformers' ``generate(num_beams=..., do_sample=False)``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from kvpilot.engine import LLM, BeamSearchParams
+from kvpilot.engine.beam_search import BeamSearchState
+
+
+def _hf_beams(hf, prompt, width, max_tokens, length_penalty, eos):
+    out = hf.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        num_beams=width,
+        num_return_sequences=width,
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        length_penalty=length_penalty,
+        eos_token_id=eos,
+        pad_token_id=0,
+        early_stopping=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    seqs = [row[len(prompt) :].tolist() for row in out.sequences]
+    # Finished-at-EOS sequences are padded after the EOS: cut there.
+    if eos is not None:
+        seqs = [s[: s.index(eos) + 1] if eos in s else s for s in seqs]
+    return seqs, out.sequences_scores.tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_llama):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("width, max_tokens", [(2, 8), (4, 12)])
+def test_beam_search_matches_transformers(tiny_llama, hf_llama, width, max_tokens):
+    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256)
+    rng = random.Random(width)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (5, 17, 30)]
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected, scores = _hf_beams(hf_llama, prompt, width, max_tokens, 1.0, eos=None)
+        got = [s.tokens[len(prompt) :] for s in out.sequences]
+        assert got == expected
+        normalised = [s.cum_logprob / len(s.tokens[len(prompt) :]) for s in out.sequences]
+        assert normalised == pytest.approx(scores, abs=1e-4)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.llm_engine.has_unfinished_requests()
+
+
+def test_beam_search_with_eos_and_length_penalty(tiny_llama, hf_llama):
+    """EOS made frequent (a token the model produces right after the prompt) so hypotheses finish early."""
+    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256)
+    prompt = [random.Random(9).randrange(5, 1000) for _ in range(12)]
+    greedy = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(1, 6, ignore_eos=True))
+    eos = greedy[0].sequences[0].tokens[len(prompt) + 2]
+    llm.llm_engine.eos_token_id = eos
+    for lp in (1.0, 0.5):
+        out = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(3, 10, length_penalty=lp))[0]
+        expected, _ = _hf_beams(hf_llama, prompt, 3, 10, lp, eos=eos)
+        assert [s.tokens[len(prompt) :] for s in out.sequences] == expected, lp
+        assert any(s.finish_reason == "stop" for s in out.sequences)
+
+
+def test_beams_share_blocks_and_survive_a_tiny_pool(tiny_llama, hf_llama):
+    """Beams fork their parent's blocks (copy on write); under a pool too small for all beams they
+    are preempted and still give transformers' answer."""
+    prompt = [random.Random(3).randrange(5, 1000) for _ in range(30)]
+    expected, _ = _hf_beams(hf_llama, prompt, 4, 10, 1.0, eos=None)
+    roomy = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256, enable_prefix_caching=False)
+    bm = roomy.llm_engine.block_manager
+    peak = []
+    roomy.llm_engine.stat_loggers.append(lambda s, it: peak.append(bm.num_blocks - bm.num_free_blocks))
+    out = roomy.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(4, 10, ignore_eos=True))[0]
+    assert [s.tokens[30:] for s in out.sequences] == expected
+    # 4 beams of up to 40 tokens would need 4 x 5 blocks unshared; the 3 full prompt blocks are shared.
+    assert max(peak) <= 3 + 4 * 2
+    for mode in ("recompute", "swap"):
+        tight = LLM(
+            str(tiny_llama),
+            block_size=8,
+            num_gpu_blocks_override=8,
+            max_model_len=64,
+            enable_prefix_caching=False,
+            preemption_mode=mode,
+            swap_space=0.001,
+        )
+        out = tight.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(4, 10, ignore_eos=True))[0]
+        assert [s.tokens[30:] for s in out.sequences] == expected, mode
+        assert tight.llm_engine.stats().num_preemptions_total > 0
+        assert tight.llm_engine.block_manager.num_free_blocks == 8
+
+
+def test_state_rejects_bad_params():
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    state = BeamSearchState(BeamSearchParams(2, 1, ignore_eos=True), eos_token_id=1)
+    assert state.num_candidates == 4
+    assert state.step([{7: -0.1, 8: -0.5, 9: -1.0, 10: -2.0}]) == []
+    assert [h.token_ids for h in state.results()] == [[7], [8]]
