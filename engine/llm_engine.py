@@ -340,6 +340,11 @@ class LLMEngine:
         if request_id in self._tracked or request_id in self._beam_groups:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = self._prompt_token_ids(prompt)
+        if params.beam_width > self.args.max_num_seqs:
+            raise ValueError(
+                f"beam_width {params.beam_width} exceeds max_num_seqs ({self.args.max_num_seqs}): "
+                "every beam runs as a sequence"
+            )
         room = self.max_model_len - len(token_ids)
         limited = BeamSearchParams(
             params.beam_width, min(params.max_tokens, max(room, 1)), params.length_penalty, params.ignore_eos

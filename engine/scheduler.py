@@ -282,7 +282,7 @@ class Scheduler:
     def _swap_in(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
         bm = self.block_manager
         for req in list(self.swapped):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or self._num_seq_slots() + 1 + len(req.pending_forks) > self.config.max_num_seqs:
                 break
             if req.is_paused:
                 continue
@@ -303,7 +303,7 @@ class Scheduler:
         """Admit waiting requests in FCFS order (paused ones are passed over)."""
         bm = self.block_manager
         for req in list(self.waiting):
-            if budget == 0 or len(self.running) + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+            if budget == 0 or self._num_seq_slots() + 1 + len(req.pending_forks) > self.config.max_num_seqs:
                 break
             if req.is_paused:
                 continue
@@ -330,6 +330,10 @@ class Scheduler:
             scheduled[req.req_id] = (req, num_new)
             budget -= num_new
         return budget
+
+    def _num_seq_slots(self) -> int:
+        """Running sequences, counting the siblings that will fork from them (n > 1)."""
+        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
 
     def _make_room(self, fits) -> bool:
         """``fits()`` or, failing that, preempt paused running requests (newest first) until it does.

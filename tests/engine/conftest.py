@@ -31,14 +31,19 @@ def make_scheduler(
     max_model_len: int = 128,
     enable_prefix_caching: bool = False,
     enable_chunked_prefill: bool = True,
+    preemption_mode: str = "recompute",
+    num_cpu_blocks: int = 0,
 ) -> Scheduler:
-    """A scheduler over a fresh block manager."""
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+    """A scheduler over a fresh block manager (with a CPU pool of ``num_cpu_blocks`` for swap mode)."""
+    bm = BlockManager(
+        num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
+    )
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
+        preemption_mode=preemption_mode,
     )
     return Scheduler(config, bm)
 
@@ -77,8 +82,10 @@ def slots_of(out: SchedulerOutput, block_size: int) -> list[int]:
     slots = []
     for item in out.scheduled:
         table = item.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size
-                     for p in range(item.start_pos, item.start_pos + len(item.token_ids)))
+        slots.extend(
+            table[p // block_size] * block_size + p % block_size
+            for p in range(item.start_pos, item.start_pos + len(item.token_ids))
+        )
     return slots
 
 
@@ -93,21 +100,30 @@ class FakeModel:
     def __init__(self, block_size: int, token_fn=fake_token) -> None:
         self.block_size = block_size
         self.kv: dict[int, tuple[int, ...]] = {}
+        self.cpu_kv: dict[int, tuple[int, ...]] = {}  # the swap pool, same slot numbering
         self.token_fn = token_fn
+
+    def _move(self, src_kv: dict, dst_kv: dict, mapping: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (all sources read before any destination is written)."""
+        bs = self.block_size
+        moved = {}
+        for src, dst in mapping:
+            for off in range(bs):
+                moved[dst * bs + off] = src_kv.get(src * bs + off)
+        for slot, value in moved.items():
+            if value is None:
+                dst_kv.pop(slot, None)
+            else:
+                dst_kv[slot] = value
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> dict[str, int]:
         bs = self.block_size
         dsts = [d for _, d in out.blocks_to_copy]
         assert len(dsts) == len(set(dsts)), f"two copies into one block: {out.blocks_to_copy}"
-        moved = {}
-        for src, dst in out.blocks_to_copy:
-            for off in range(bs):
-                moved[dst * bs + off] = self.kv.get(src * bs + off)
-        for slot, value in moved.items():
-            if value is None:
-                self.kv.pop(slot, None)
-            else:
-                self.kv[slot] = value
+        # The runner's order: swap out, copy on write, swap in.
+        self._move(self.kv, self.cpu_kv, out.blocks_to_swap_out)
+        self._move(self.kv, self.kv, out.blocks_to_copy)
+        self._move(self.cpu_kv, self.kv, out.blocks_to_swap_in)
         sampled = {}
         for item in out.scheduled:
             req = sched.requests[item.req_id]
@@ -173,8 +189,13 @@ def check_blocks(sched: Scheduler, scheduled: dict[str, int] | None = None) -> N
     assert len(free) == len(set(free)), "a block is on a free list twice"
     assert set(free) == {b for b in range(bm.num_blocks) if bm.ref_counts[b] == 0}
     assert bm.num_free_blocks == bm.num_blocks - len(holders)
-    # Only live requests hold tables; waiting ones hold none.
+    # Only live requests hold tables; waiting ones hold none; swapped ones hold CPU blocks only.
     assert set(bm.block_tables) <= {r.req_id for r in sched.running}
+    assert set(bm.cpu_tables) == {r.req_id for r in sched.swapped}
+    cpu_held = [b for table in bm.cpu_tables.values() for b in table]
+    assert len(cpu_held) == len(set(cpu_held)), "a CPU block is held twice"
+    cpu_free = list(bm._free_cpu) + list(bm._cpu_released)
+    assert not set(cpu_held) & set(cpu_free) and len(cpu_held) + len(cpu_free) == bm.num_cpu_blocks
     scheduled = scheduled or {}
     for req in sched.running:
         num_tokens = req.num_computed_tokens + scheduled.get(req.req_id, 0)

@@ -47,9 +47,11 @@ def layout(out):
 
 def scripted(tokens: dict[str, list[int]]):
     """A token function that replays ``tokens[req_id]`` (then 9s)."""
+
     def token_fn(req):
         seq = tokens.get(req.req_id, [])
         return seq[req.num_output_tokens] if req.num_output_tokens < len(seq) else 9
+
     return token_fn
 
 
@@ -101,8 +103,9 @@ def test_add_request_rejects_what_can_never_fit_the_pool():
 @pytest.mark.parametrize("caching", [False, True])
 def test_requests_at_the_pool_limit_complete_together_through_preemption(caching):
     # Each request alone needs the whole pool at its peak (4 + 13 - 1 = 16 slots).
-    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=16,
-                           enable_prefix_caching=caching)
+    sched = make_scheduler(
+        num_blocks=4, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=caching
+    )
     reqs = [make_request(4, req_id=f"r{i}", max_tokens=13, ignore_eos=True) for i in range(3)]
     for r in reqs:
         sched.add_request(r)
@@ -335,8 +338,9 @@ def test_requests_admitted_in_the_same_step_do_not_hit_each_other():
 
 def test_prefix_cache_counts_each_admission_once():
     # A request stuck at the head of the queue is looked up again every step; it must be counted once.
-    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_model_len=16,
-                           enable_prefix_caching=True)
+    sched = make_scheduler(
+        num_blocks=4, block_size=4, max_num_batched_tokens=64, max_model_len=16, enable_prefix_caching=True
+    )
     a = make_request(12, req_id="a", max_tokens=4, ignore_eos=True)
     b = make_request(8, req_id="b", max_tokens=2, ignore_eos=True)
     sched.add_request(a)
@@ -387,7 +391,9 @@ def test_stops_on_stop_token_ids():
 def test_min_tokens_defers_eos_and_stop_tokens():
     a, b, c = run_scripted(
         {"a": [EOS, EOS, EOS, EOS], "b": [7, 5, 7, 7], "c": [EOS, 5, 6, 8, 9]},
-        max_tokens=5, min_tokens=3, stop_token_ids=[7],
+        max_tokens=5,
+        min_tokens=3,
+        stop_token_ids=[7],
     )
     assert a.output_token_ids == [EOS, EOS, EOS] and a.finish_reason == "stop"
     assert b.output_token_ids == [7, 5, 7] and b.stop_reason == 7
@@ -508,48 +514,70 @@ def workloads(draw):
         max_num_batched_tokens=budget if chunked else max(budget, max_model_len),
         enable_chunked_prefill=chunked,
     )
-    requests = draw(st.lists(
-        st.tuples(
-            st.integers(0, 8),  # arrival step
-            st.integers(0, 2),  # prompt family (shared prefixes)
-            st.integers(1, 24),  # prompt length (a few are rejected: too long for the model or pool)
-            st.integers(1, 12),  # max_tokens
-            st.none() | st.integers(0, 25),  # abort this many steps after arrival
-            st.booleans(),  # may stop on EOS
-        ),
-        min_size=2, max_size=12,
-    ))
+    requests = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, 8),  # arrival step
+                st.integers(0, 2),  # prompt family (shared prefixes)
+                st.integers(1, 24),  # prompt length (a few are rejected: too long for the model or pool)
+                st.integers(1, 12),  # max_tokens
+                st.none() | st.integers(0, 25),  # abort this many steps after arrival
+                st.booleans(),  # may stop on EOS
+            ),
+            min_size=2,
+            max_size=12,
+        )
+    )
     return config, requests
 
 
-def drive(config: dict, requests: list[tuple], caching: bool) -> None:
-    sched = make_scheduler(enable_prefix_caching=caching, **config)
+def drive(
+    config: dict, requests: list[tuple], caching: bool, mode: str = "recompute", cpu_blocks: int = 0
+) -> None:
+    """Run ``requests`` (arrival, family, prompt length, max_tokens, abort after, eos[, n]) through a
+    scheduler and the fake model, checking every invariant at every step."""
+    sched = make_scheduler(
+        enable_prefix_caching=caching, preemption_mode=mode, num_cpu_blocks=cpu_blocks, **config
+    )
     bm = sched.block_manager
     bs = bm.block_size
     model = FakeModel(bs, token_fn=_token)
     arrivals: dict[int, list] = {}
     for i, spec in enumerate(requests):
         arrivals.setdefault(spec[0], []).append((i, spec))
-    accepted, aborts, first_seen = [], {}, []
+    accepted, aborts, first_seen, siblings = [], {}, [], set()
     finished_at: dict[str, int] = {}
     last_arrival = max(spec[0] for spec in requests)
     total = sum(spec[2] + spec[3] for spec in requests)
     bound = last_arrival + total * (len(requests) + 1) + 10
     for now in range(bound):
-        for i, (_, fam, plen, max_tokens, abort_after, eos) in arrivals.get(now, []):
-            req = make_request(FAMILIES[fam][:plen], req_id=f"q{i}" + ("e" if eos else ""),
-                               max_tokens=max_tokens, ignore_eos=not eos)
+        for i, (_, fam, plen, max_tokens, abort_after, eos, *rest) in arrivals.get(now, []):
+            n = rest[0] if rest else 1
+            group = [
+                make_request(
+                    FAMILIES[fam][:plen],
+                    req_id=f"q{i}" + (f"s{j}" if j else "") + ("e" if eos else ""),
+                    max_tokens=max_tokens,
+                    ignore_eos=not eos,
+                )
+                for j in range(n)
+            ]
             peak = plen + min(max_tokens, config["max_model_len"] - plen) - 1
-            fits = plen < config["max_model_len"] and -(-peak // bs) <= config["num_blocks"]
+            fits = (
+                plen < config["max_model_len"]
+                and -(-peak // bs) <= config["num_blocks"]
+                and n <= config["max_num_seqs"]
+            )
             if fits:
-                sched.add_request(req)
-                accepted.append(req)
+                sched.add_request(group[0], siblings=group[1:])
+                accepted += group
+                siblings.update(r.req_id for r in group[1:])
                 if abort_after is not None:
-                    aborts.setdefault(now + abort_after, []).append(req.req_id)
+                    aborts.setdefault(now + abort_after, []).extend(r.req_id for r in group)
             else:
                 with pytest.raises(ValueError):
-                    sched.add_request(req)
-                assert req.req_id not in sched.requests
+                    sched.add_request(group[0], siblings=group[1:])
+                assert all(r.req_id not in sched.requests for r in group)
         for req in sched.abort_requests(aborts.pop(now, [])):
             finished_at[req.req_id] = now
         if now > last_arrival and not sched.has_unfinished:
@@ -564,8 +592,14 @@ def drive(config: dict, requests: list[tuple], caching: bool) -> None:
             assert all(v in running_before for v in victims)
             newest_left = max((r.arrival_seq for r in sched.running), default=-1)
             assert min(v.arrival_seq for v in victims) > newest_left
-            assert list(sched.waiting)[: len(victims)] == victims[::-1]
-            assert all(v.num_computed_tokens == 0 and v.req_id not in bm.block_tables for v in victims)
+            swapped = [v for v in victims if v.status == RequestStatus.SWAPPED]
+            recomputed = [v for v in victims if v.status != RequestStatus.SWAPPED]
+            if mode == "recompute":
+                assert not swapped
+            assert list(sched.waiting)[: len(recomputed)] == recomputed[::-1]
+            assert all(v.num_computed_tokens == 0 and v.req_id not in bm.block_tables for v in recomputed)
+            assert list(sched.swapped)[: len(swapped)] == swapped[::-1]
+            assert all(v.num_computed_tokens > 0 and v.req_id in bm.cpu_tables for v in swapped)
         first_seen += [i.req_id for i in out.scheduled if i.req_id not in first_seen]
         sampled = model.execute(sched, out)
         for upd in sched.update_from_output(out, sampled):
@@ -574,6 +608,7 @@ def drive(config: dict, requests: list[tuple], caching: bool) -> None:
         check_blocks(sched)
         stats = sched.stats()
         assert (stats.num_running, stats.num_waiting) == (len(sched.running), len(sched.waiting))
+        assert stats.num_swapped == len(sched.swapped)
         assert stats.kv_cache_usage == pytest.approx(1 - bm.num_free_blocks / bm.num_blocks)
         assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
         for req in sched.running:
@@ -587,9 +622,15 @@ def drive(config: dict, requests: list[tuple], caching: bool) -> None:
     event(f"steps {'<20' if now < 20 else '<100' if now < 100 else '>=100'}")
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.block_tables == {} and bm.ref_counts == [0] * bm.num_blocks
-    assert not sched.running and not sched.waiting
-    # FCFS: requests are first scheduled in the order they arrived.
-    assert first_seen == [r.req_id for r in accepted if r.req_id in first_seen]
+    assert bm.cpu_tables == {} and bm.num_free_cpu_blocks == bm.num_cpu_blocks
+    assert not sched.running and not sched.waiting and not sched.swapped
+    if mode == "swap":
+        event("swapped" if sched.num_preemptions_total > sched.num_swap_fallbacks else "no swap")
+    if siblings:
+        event("n>1")
+    # FCFS: requests are first scheduled in the order they arrived (forked siblings join later).
+    seen = [rid for rid in first_seen if rid not in siblings]
+    assert seen == [r.req_id for r in accepted if r.req_id in seen]
     for req in accepted:
         assert req.is_finished and req.req_id in finished_at
         if req.finish_reason == "abort":
@@ -611,11 +652,66 @@ def test_random_workloads_keep_every_invariant(caching, case):
 
 @pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 @settings(max_examples=100, deadline=None)
-@given(requests=st.lists(
-    st.tuples(st.integers(0, 6), st.integers(0, 2), st.integers(1, 24), st.integers(1, 10), st.none(),
-              st.booleans()),
-    min_size=4, max_size=10,
-))
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(0, 6),
+            st.integers(0, 2),
+            st.integers(1, 24),
+            st.integers(1, 10),
+            st.none(),
+            st.booleans(),
+        ),
+        min_size=4,
+        max_size=10,
+    )
+)
 def test_tiny_pool_preempts_and_still_finishes_everything(caching, requests):
     config = dict(block_size=2, num_blocks=8, max_num_seqs=4, max_model_len=32, max_num_batched_tokens=8)
     drive(config, requests, caching)
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@settings(max_examples=150, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(0, 6),
+            st.integers(0, 2),
+            st.integers(1, 24),
+            st.integers(1, 10),
+            st.none() | st.integers(0, 20),
+            st.booleans(),
+            st.integers(1, 3),
+        ),
+        min_size=3,
+        max_size=9,
+    ),
+    cpu_blocks=st.integers(0, 12),
+)
+def test_swap_mode_and_parallel_sampling_lose_nothing(caching, requests, cpu_blocks):
+    """Swap preemption (with a CPU pool from empty to roomy, so both swap and its recompute fallback
+    happen) and n > 1 groups that fork their prompt: the same invariants, outputs and final state."""
+    config = dict(block_size=2, num_blocks=8, max_num_seqs=4, max_model_len=32, max_num_batched_tokens=8)
+    drive(config, requests, caching, mode="swap", cpu_blocks=cpu_blocks)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(0, 6),
+            st.integers(0, 2),
+            st.integers(2, 24),
+            st.integers(1, 10),
+            st.none(),
+            st.booleans(),
+            st.integers(2, 4),
+        ),
+        min_size=2,
+        max_size=6,
+    )
+)
+def test_parallel_sampling_groups_with_recompute(requests):
+    config = dict(block_size=4, num_blocks=12, max_num_seqs=6, max_model_len=40, max_num_batched_tokens=12)
+    drive(config, requests, caching=True)
