@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "serve": "kvpilot.engine.server.cli",
     "operator": "kvpilot.operator.cli",
     "render": "kvpilot.operator.cli",
+    "replay": "kvpilot.operator.cli",
 }
 
 

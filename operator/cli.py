@@ -1,7 +1,8 @@
-"""``kvpilot operator`` (run the kopf operator) and ``kvpilot render`` (print the children).
+"""``kvpilot operator`` (run the kopf operator), ``kvpilot render`` (print the children) and
+``kvpilot replay`` (recorded metrics through the remediation policy).
 
-``add_parser(subparsers)`` registers both subcommands; kopf is imported only when the operator
-actually starts, so ``kvpilot render`` works wherever PyYAML does.
+``add_parser(subparsers)`` registers the three subcommands; kopf is imported only when the operator
+actually starts, so ``kvpilot render`` and ``kvpilot replay`` work wherever PyYAML does.
 """
 
 from __future__ import annotations
@@ -62,6 +63,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="manage Prometheus Operator ServiceMonitors for InferenceServices that ask for one "
         "(needs RBAC on servicemonitors.monitoring.coreos.com)",
     )
+    op.add_argument(
+        "--scrape-interval",
+        type=_positive_seconds,
+        default=15.0,
+        metavar="SECONDS",
+        help="read every ready engine pod's /metrics and evaluate remediation this often (default: 15)",
+    )
+    op.add_argument(
+        "--scrape-timeout",
+        type=_positive_seconds,
+        default=3.0,
+        metavar="SECONDS",
+        help="give up on one pod's /metrics after this long (default: 3)",
+    )
+    op.add_argument(
+        "--record",
+        metavar="FILE",
+        default=None,
+        help="append every scrape to FILE as JSON Lines, /metrics text as served (~20 KiB per pod and "
+        "scrape); replay them with `kvpilot replay --metrics FILE`",
+    )
     op.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
     op.add_argument("--log-format", choices=["plain", "full", "json"], default="full", help="log format")
     op.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -84,6 +106,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="namespace for InferenceServices that name none (default: leave it unset)",
     )
     render.set_defaults(func=run_render)
+
+    replay = subparsers.add_parser(
+        "replay",
+        help="replay recorded engine metrics through the remediation policy",
+        description="Feed recorded scrapes (JSON Lines, as `kvpilot operator --record` writes them) through "
+        "the remediation policy for an InferenceService and print each decision with its reason. The metrics "
+        "play back as recorded; the policy's own decisions update the effective configuration, the history "
+        "and the cooldown as they would live.",
+    )
+    replay.add_argument("-f", "--filename", required=True, metavar="FILE", help="InferenceService manifest")
+    replay.add_argument(
+        "--metrics", required=True, metavar="SAMPLES", help="samples file (JSON Lines), or - for stdin"
+    )
+    replay.add_argument(
+        "--output", choices=["table", "json"], default="table", help="table (default) or one JSON line each"
+    )
+    replay.add_argument(
+        "--mode",
+        choices=["Auto", "Recommend", "Off"],
+        default=None,
+        help="replay as if spec.remediation.mode were this (default: the manifest's); "
+        "--mode Auto answers 'what would Auto have done?'",
+    )
+    replay.add_argument(
+        "--stale-after",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="a pod's metrics are stale after this long without a sample (default: 3 scrape intervals)",
+    )
+    replay.add_argument(
+        "--changes-only", action="store_true", help="table output: only evaluations that change something"
+    )
+    replay.set_defaults(func=run_replay)
+
+
+def _positive_seconds(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
+    return number
 
 
 def _load_documents(filename: str) -> list[Any]:
@@ -138,6 +201,53 @@ def run_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_replay(args: argparse.Namespace) -> int:
+    """``kvpilot replay -f ISVC --metrics SAMPLES``: 0 and the decisions on stdout, or 1 and why not."""
+    import json
+
+    from kvpilot.operator.replay import ReplayError, format_table, read_records, replay, summary
+
+    try:
+        documents = [d for d in _load_documents(args.filename) if isinstance(d, dict)]
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"error: cannot read {args.filename}: {exc}", file=sys.stderr)
+        return 1
+    isvcs = [d for d in documents if d.get("kind") == names.KIND]
+    if len(isvcs) != 1:
+        print(
+            f"error: {args.filename} must hold exactly one {names.KIND}, found {len(isvcs)}", file=sys.stderr
+        )
+        return 1
+    try:
+        if args.metrics == "-":
+            records = read_records(sys.stdin, isvcs[0])
+        else:
+            with open(args.metrics, encoding="utf-8") as handle:
+                records = read_records(handle, isvcs[0])
+        rows = []
+        decisions = []
+        final = isvcs[0]
+        for time_, decision, state in replay(
+            isvcs[0], records, mode=args.mode, stale_after_s=args.stale_after
+        ):
+            final = state
+            decisions.append(decision)
+            if args.output == "json":
+                print(json.dumps(decision.to_json(time_)), flush=False)
+            elif decision.is_change or not args.changes_only:
+                rows.append((time_, decision))
+    except OSError as exc:
+        print(f"error: cannot read {args.metrics}: {exc}", file=sys.stderr)
+        return 1
+    except ReplayError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.output == "table":
+        print(format_table(rows))
+        print(summary(decisions, final))
+    return 0
+
+
 def run_operator(args: argparse.Namespace) -> int:
     """``kvpilot operator``: runs until SIGTERM/SIGINT; returns the exit code."""
     globs = [ns for ns in args.namespaces if _GLOB_CHARS & set(ns)]
@@ -146,6 +256,12 @@ def run_operator(args: argparse.Namespace) -> int:
             f"error: namespace patterns are not supported, name namespaces exactly: {globs}", file=sys.stderr
         )
         return 2
+    if args.record:
+        try:
+            open(args.record, "a", encoding="utf-8").close()
+        except OSError as exc:
+            print(f"error: cannot record to {args.record}: {exc}", file=sys.stderr)
+            return 2
     import kopf
 
     from kvpilot.operator.handlers import OperatorOptions, build_registry, new_memo
@@ -155,6 +271,9 @@ def run_operator(args: argparse.Namespace) -> int:
         clusterwide=args.all_namespaces,
         resync_interval=args.resync_interval,
         service_monitors=args.service_monitors,
+        scrape_interval=args.scrape_interval,
+        scrape_timeout=args.scrape_timeout,
+        record=args.record,
     )
     log_format = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
     kopf.configure(verbose=args.verbose, log_format=log_format[args.log_format])

@@ -47,12 +47,13 @@ class Effective:
     ``engine``: the ``spec.engine`` keys that are set (camelCase), overrides applied; unset keys
     are left to the engine's own defaults. ``replicas``: the Deployment's replica count.
     ``applied_overrides``: the override keys that took effect (the rest were superseded by spec
-    edits or name unknown levers).
+    edits or name unknown levers). ``generation``: the object's ``metadata.generation``, when known.
     """
 
     engine: dict[str, Any]
     replicas: int
     applied_overrides: tuple[str, ...] = ()
+    generation: int | None = None
 
     def reported(self, generation: int | None) -> dict[str, Any]:
         """The ``status.effective`` fields the operator owns, engine defaults filled in."""
@@ -93,4 +94,7 @@ def resolve_effective(isvc: dict[str, Any]) -> Effective:
         else:
             engine[key] = value
         applied.append(key)
-    return Effective(engine=engine, replicas=replicas, applied_overrides=tuple(applied))
+    generation = (isvc.get("metadata") or {}).get("generation")
+    return Effective(
+        engine=engine, replicas=replicas, applied_overrides=tuple(applied), generation=generation
+    )

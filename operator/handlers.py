@@ -6,11 +6,13 @@ Triggers for one pass over an InferenceService (all serialised per object):
 - events of the engine Deployments the operator owns (rollout progress -> status; manual edits
   or deletion -> re-applied at once);
 - a resync loop every ``resync_interval`` seconds over every InferenceService in scope (repairs
-  drift in children that are not watched, e.g. a deleted Service).
+  drift in children that are not watched, e.g. a deleted Service);
+- the remediation loop (``autotuner``) every ``scrape_interval`` seconds, when it changes
+  ``status.effective`` in Auto mode.
 
-The resync is a plain task rather than a kopf timer on purpose: kopf puts a finalizer on objects
-with timers, and a finalizer would block deleting InferenceServices whenever the operator is not
-running. The operator needs none: children go away through their owner references.
+The resync and the remediation loop are plain tasks rather than kopf timers on purpose: kopf puts a
+finalizer on objects with timers, and a finalizer would block deleting InferenceServices whenever the
+operator is not running. The operator needs none: children go away through their owner references.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import names
+from kvpilot.operator.autotuner import Autotuner, AutotunerOptions
 from kvpilot.operator.builders import build_event
 from kvpilot.operator.kube import ApiError, KubeClient, object_path
 from kvpilot.operator.reconcile import Outcome, reconcile
@@ -44,6 +47,9 @@ class OperatorOptions:
     resync_interval: float = 300.0
     watch_timeout: float = 300.0
     service_monitors: bool = False
+    scrape_interval: float = 15.0
+    scrape_timeout: float = 3.0
+    record: str | None = None
 
 
 LOG = logging.getLogger("kvpilot.operator")
@@ -67,13 +73,16 @@ class Reconciler:
         self.options = options
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """The lock that serialises every write to one InferenceService (reconcile and remediation)."""
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
     async def run(self, namespace: str, name: str, logger: Any, announce: bool = False) -> Outcome:
         """Reconcile one InferenceService by name; ``Outcome.gone`` when it no longer exists.
 
         ``announce``: the pass follows a spec change or a (re)start, so one-off warnings are posted.
         """
-        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
-        async with lock:
+        async with self.lock(namespace, name):
             isvc = await self.kube.get(object_path(names.API_VERSION, names.KIND, namespace, name))
             if isvc is None:
                 self._locks.pop((namespace, name), None)
@@ -161,6 +170,24 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         memo.reconciler = Reconciler(memo.kube, options)
         memo.resync = asyncio.create_task(memo.reconciler.resync_forever(LOG))
 
+        async def emit(isvc: dict, type_: str, reason: str, message: str) -> None:
+            await post_event(memo.kube, isvc, type_, reason, message, LOG)
+
+        memo.autotuner = Autotuner(
+            memo.kube,
+            AutotunerOptions(
+                namespaces=options.namespaces,
+                clusterwide=options.clusterwide,
+                scrape_interval=options.scrape_interval,
+                scrape_timeout=options.scrape_timeout,
+                record=options.record,
+                service_monitors=options.service_monitors,
+            ),
+            memo.reconciler.lock,
+            emit,
+        )
+        memo.remediation = asyncio.create_task(memo.autotuner.run_forever(LOG))
+
     @kopf.on.login(id="login", registry=registry)
     async def login(memo: kopf.Memo, settings: kopf.OperatorSettings, logger: Any, **_: Any) -> Any:
         """Credentials for kopf and for the reconciler's client (one identity)."""
@@ -171,10 +198,12 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-        """Stop the resync task and close the client."""
-        memo.resync.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await memo.resync
+        """Stop the resync and remediation tasks and close the clients."""
+        for task in (memo.resync, memo.remediation):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await memo.autotuner.close()
         await memo.kube.close()
 
     @kopf.on.resume(*ISVC, id="reconcile", registry=registry)

@@ -27,6 +27,7 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",
     "Event": "events",
+    "Pod": "pods",
     names.KIND: names.PLURAL,
 }
 REQUEST_TIMEOUT_S = 30

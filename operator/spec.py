@@ -47,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
             "maxTensorParallelSize": 8,
             "maxPipelineParallelSize": 1,
         },
+        "thresholds": {"kvCacheUsageHigh": 0.9, "requestsWaitingHigh": 8, "kvCacheUsageIdle": 0.3},
     },
 }
 # Defaults of optional objects that only apply once the user sets the object.

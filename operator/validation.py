@@ -141,6 +141,16 @@ def _misc_problems(spec: dict[str, Any]) -> list[str]:
     limits = remediation.get("limits") or {}
     if limits.get("minReplicas", 1) > limits.get("maxReplicas", 8):
         problems.append("spec.remediation.limits.minReplicas must be <= maxReplicas")
+    thresholds = remediation.get("thresholds") or {}
+    idle, high = thresholds.get("kvCacheUsageIdle", 0.3), thresholds.get("kvCacheUsageHigh", 0.9)
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (idle, high))
+    if not numbers:
+        problems.append("spec.remediation.thresholds: kvCacheUsageIdle and kvCacheUsageHigh must be numbers")
+    elif idle >= high:
+        problems.append(
+            "spec.remediation.thresholds.kvCacheUsageIdle must be below kvCacheUsageHigh "
+            "(the gap keeps replicas from flapping)"
+        )
     interval = ((spec.get("monitoring") or {}).get("serviceMonitor") or {}).get("interval")
     if interval is not None:
         try:

@@ -8,8 +8,21 @@ import sys
 
 from tests.operator.conftest import REPO
 
-PURE = ["names", "spec", "effective", "validation", "podspec", "builders", "status"]
-ALL = PURE + ["kube", "reconcile", "handlers", "cli", "__main__"]
+PURE = [
+    "names",
+    "spec",
+    "effective",
+    "validation",
+    "podspec",
+    "builders",
+    "status",
+    "window",
+    "policy",
+    "pods",
+    "remediation",
+    "replay",
+]
+ALL = PURE + ["kube", "reconcile", "scrape", "autotuner", "handlers", "cli", "__main__"]
 
 
 def imported_after(modules: list[str]) -> set[str]:

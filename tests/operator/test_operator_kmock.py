@@ -82,7 +82,8 @@ def events_for(api, name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def operator(api, start_operator):
-    proc = start_operator([NS], ["--resync-interval", "1"])
+    # Remediation runs too (no engine pods here: it must list them and write nothing).
+    proc = start_operator([NS], ["--resync-interval", "1", "--scrape-interval", "0.5"])
     wait_for(lambda: "Initial authentication has finished" in proc.log, what="the operator to log in")
     return proc
 
@@ -372,8 +373,8 @@ def test_kubectl_printer_columns_and_short_name(api, operator, tmp_path):
     ]
 
 
-def test_chart_rbac_grants_exactly_what_the_operator_used(api):
-    """Runs last in the module: ``api.verbs`` holds every request the operators made above."""
+def granted_verbs() -> set[tuple[str, str, str]]:
+    """(group, resource, verb) the chart's namespaced Role grants."""
     helm = find_tool("helm")
     rendered = subprocess.run(
         [helm, "template", "t", str(CHART), "--set", f"operator.watchNamespaces={{{NS}}}"],
@@ -383,13 +384,18 @@ def test_chart_rbac_grants_exactly_what_the_operator_used(api):
         check=True,
     ).stdout
     (role,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Role"]
-    granted = {
+    return {
         (group, resource, verb)
         for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
+
+
+def test_chart_rbac_grants_exactly_what_the_operator_used(api):
+    """Runs last in the module: ``api.verbs`` holds every request the operators made above."""
+    granted = granted_verbs()
     used = api.verbs
     assert used - granted == set(), "the operator used verbs the chart does not grant"
     # Only admission-time needs go unobserved here: blockOwnerDeletion checks update on finalizers.

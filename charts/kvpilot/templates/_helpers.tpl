@@ -51,7 +51,7 @@ app.kubernetes.io/component: operator
 The permissions the operator uses, no more: kopf watches and annotates InferenceServices and posts
 Events; the reconciler writes status and server-side-applies the engine Deployment, Service and
 PodDisruptionBudget (apply creates missing objects, hence create); it watches engine Deployments
-for rollout progress. Setting blockOwnerDeletion on the children's owner references requires update
+for rollout progress; remediation lists engine pods (to scrape their /metrics) and posts Events. Setting blockOwnerDeletion on the children's owner references requires update
 on inferenceservices/finalizers where the OwnerReferencesPermissionEnforcement admission plugin runs.
 Nothing is deleted by the operator: children go away with their InferenceService (garbage collection).
 */}}
@@ -74,6 +74,9 @@ Nothing is deleted by the operator: children go away with their InferenceService
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

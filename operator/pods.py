@@ -1,0 +1,136 @@
+"""Engine pods as the remediation loop sees them: which to scrape, which fail, which are outdated.
+
+Pure functions over Pod objects as the API server returns them. Only pods of the *current*
+configuration (their ``serving.kvpilot.io/template-hash`` label equals the Deployment template the
+operator renders now) count: metrics of a pod still running the previous configuration say nothing
+about the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from kvpilot.operator import names
+from kvpilot.operator.policy import parse_time
+
+# Container states that mean the configuration does not run (and will not by waiting).
+FAILING_WAITING_REASONS = frozenset(
+    {"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "InvalidImageName"}
+)
+FAILING_TERMINATED_REASONS = frozenset({"OOMKilled", "Error", "ContainerCannotRun"})
+# An unschedulable pod may be waiting for the cluster autoscaler: it fails only after this long.
+UNSCHEDULABLE_GRACE_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A ready engine pod to scrape: ``key`` (namespace/name/uid) identifies its metric series."""
+
+    namespace: str
+    name: str
+    uid: str
+    url: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}/{self.uid}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PodSet:
+    """One InferenceService's engine pods, classified.
+
+    ``targets``: ready pods of the current configuration. ``failing``: ``"pod: why"`` for pods of the
+    current configuration that cannot run. ``waiting``: current pods not ready yet (starting).
+    ``outdated``: pods still on a previous configuration.
+    """
+
+    targets: tuple[Target, ...] = ()
+    failing: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    outdated: tuple[str, ...] = ()
+
+    def problems(self) -> list[str]:
+        """What keeps the set from describing the current configuration fully."""
+        out = []
+        if self.waiting:
+            out.append(f"pod(s) not ready: {', '.join(self.waiting)}")
+        if self.outdated:
+            out.append(f"rollout in progress: {len(self.outdated)} pod(s) on the previous configuration")
+        return out
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    """The pod's Ready condition is True and it is not terminating."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def metrics_url(pod: dict[str, Any]) -> str | None:
+    """``http://<pod IP>:<port named http>/metrics``, or None without an IP."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    port = names.HTTP_PORT
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for item in container.get("ports") or []:
+            if item.get("name") == names.HTTP_PORT_NAME and item.get("containerPort"):
+                port = int(item["containerPort"])
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}{names.METRICS_PATH}"
+
+
+def pod_failure(pod: dict[str, Any], now: float) -> str | None:
+    """Why this pod cannot run its configuration (crash loop, OOM kill, image, unschedulable), or None."""
+    status = pod.get("status") or {}
+    for container in status.get("containerStatuses") or []:
+        if container.get("name") != names.ENGINE_CONTAINER:
+            continue
+        state = container.get("state") or {}
+        waiting = (state.get("waiting") or {}).get("reason")
+        if waiting in FAILING_WAITING_REASONS:
+            last = ((container.get("lastState") or {}).get("terminated") or {}).get("reason")
+            return f"{waiting}" + (f" (last exit: {last})" if last else "")
+        terminated = (state.get("terminated") or {}).get("reason")
+        if terminated in FAILING_TERMINATED_REASONS:
+            return f"terminated: {terminated}"
+        last = ((container.get("lastState") or {}).get("terminated") or {}).get("reason")
+        if last == "OOMKilled":
+            return f"OOMKilled ({container.get('restartCount', 0)} restart(s))"
+    for condition in status.get("conditions") or []:
+        if (
+            condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == "Unschedulable"
+        ):
+            since = condition.get("lastTransitionTime")
+            pending = now - parse_time(since) if since else 0.0
+            if pending >= UNSCHEDULABLE_GRACE_S:
+                return f"unschedulable for {pending:.0f}s: {condition.get('message', '')}"[:200]
+    return None
+
+
+def classify(pods: Iterable[dict[str, Any]], template_hash: str, now: float) -> PodSet:
+    """Sort one InferenceService's engine pods (see :class:`PodSet`)."""
+    targets, failing, waiting, outdated = [], [], [], []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        meta = pod["metadata"]
+        if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue  # on its way out (scale-down, eviction): the ReplicaSet replaces what it must
+        if (meta.get("labels") or {}).get(names.LABEL_TEMPLATE_HASH) != template_hash:
+            outdated.append(meta["name"])
+            continue
+        why = pod_failure(pod, now)
+        if why is not None:
+            failing.append(f"{meta['name']}: {why}")
+            continue
+        url = metrics_url(pod)
+        if is_ready(pod) and url is not None:
+            targets.append(Target(meta.get("namespace", ""), meta["name"], meta.get("uid", ""), url))
+        else:
+            waiting.append(meta["name"])
+    return PodSet(tuple(targets), tuple(failing), tuple(waiting), tuple(outdated))

@@ -1,0 +1,268 @@
+"""One remediation evaluation of an InferenceService: decide, then the status it writes and its Events.
+
+Pure: ``evaluate(isvc, window, now)`` returns the :class:`~kvpilot.operator.policy.Decision` and an
+:class:`Update` — a JSON merge patch of ``status`` (None when nothing changed) and the Events to post.
+The operator sends both to the API server; ``kvpilot replay`` applies the patch to an in-memory copy,
+so a replay walks through exactly the states the operator would.
+
+Remediation owns these status fields (the reconciler owns the rest, see ``status``)::
+
+    signals, capacity                        what the latest window shows (every mode)
+    conditions KVCachePressure, Remediating  (every mode)
+    effective.overrides, remediations        Auto: the applied changes (last 20, newest first)
+    recommendations                          Recommend: the proposed changes (last 20, newest first)
+
+Writes are kept rare: numbers are rounded (rates to 2 significant digits, KV usage to percent),
+``signals.sampledAt`` moves only when a value changed or the last one is older than
+``SIGNALS_REFRESH_S``, and nothing is written for an InferenceService whose pods were never ready.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import math
+from typing import Any
+
+from kvpilot.operator.effective import LEVERS, Effective, resolve_effective
+from kvpilot.operator.policy import (
+    APPLY,
+    AUTO,
+    OFF,
+    PRESSURE_EXIT_RATIO,
+    RECOMMEND,
+    RECOMMEND_ACTION,
+    REVERT,
+    Change,
+    Decision,
+    RemediationSettings,
+    decide,
+    format_time,
+    history_from_status,
+    is_demand,
+    is_storm,
+    parse_time,
+)
+from kvpilot.operator.spec import apply_defaults
+from kvpilot.operator.status import condition, find_condition, merge_conditions
+from kvpilot.operator.window import MetricWindow
+
+MAX_HISTORY = 20
+SIGNALS_REFRESH_S = 60.0
+PRESSURE, REMEDIATING = "KVCachePressure", "Remediating"
+
+# Event reasons.
+EVENT_APPLIED = "Remediated"
+EVENT_REVERTED = "RemediationReverted"
+EVENT_RECOMMENDED = "RemediationRecommended"
+EVENT_EXHAUSTED = "RemediationExhausted"
+EVENT_PRESSURE = "KVCachePressure"
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """What to write: ``patch`` (a JSON merge patch of ``.status``, None: nothing), ``events``
+    (type, reason, message) to post, and the ``change`` applied or recommended, if any."""
+
+    patch: dict[str, Any] | None
+    events: tuple[tuple[str, str, str], ...] = ()
+    change: Change | None = None
+
+
+def _round(value: float, digits: int = 3) -> float:
+    """``value`` to ``digits`` significant digits (fewer status writes for noise)."""
+    if value == 0 or not math.isfinite(value):
+        return 0.0
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def signals_of(window: MetricWindow) -> dict[str, Any]:
+    """``status.signals`` for a window (without ``sampledAt``)."""
+    return {
+        "preemptionsPerSecond": _round(window.preemption_rate, 2),
+        "kvCacheUsage": round(window.kv_usage, 2),
+        "requestsWaiting": round(window.waiting, 1),
+        "requestsRunning": round(window.running, 1),
+        "podsReporting": len(window.pods),
+        "windowSeconds": round(window.covered_s),
+    }
+
+
+def capacity_status(window: MetricWindow) -> dict[str, Any] | None:
+    """``status.capacity`` from the engines' ``vllm:cache_config_info``, or None when unknown."""
+    cap = window.capacity
+    if cap is None:
+        return None
+    out: dict[str, Any] = {
+        "numGpuBlocks": cap.num_gpu_blocks,
+        "blockSize": cap.block_size,
+        "kvCacheTokens": cap.kv_cache_tokens,
+    }
+    if cap.max_concurrency is not None:
+        out["maxConcurrency"] = round(cap.max_concurrency, 2)
+    return out
+
+
+def pressure_condition(
+    window: MetricWindow, s: RemediationSettings, previous: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``KVCachePressure``: True in a storm or under demand; it clears only once the rate falls below
+    half the threshold (or KV usage/queue clearly below the demand thresholds), so it does not flap."""
+    if window.failing:
+        return {**condition(PRESSURE, False, "PodsFailing", "; ".join(window.failing)), "status": "Unknown"}
+    if not window.is_complete:
+        message = "; ".join(window.problems or ("no data",))
+        return {**condition(PRESSURE, False, "InsufficientData", message), "status": "Unknown"}
+    rate = f"{_round(window.preemption_rate)} preemptions/s per replica over {window.covered_s:.0f}s"
+    if is_storm(window, s):
+        return condition(PRESSURE, True, "PreemptionStorm", f"{rate} (threshold {s.preemption_rate:g})")
+    if is_demand(window, s):
+        message = f"KV cache {window.kv_usage:.0%} full and {window.waiting:.1f} requests waiting per replica"
+        return condition(PRESSURE, True, "Demand", message)
+    was = previous or {}
+    if was.get("status") == "True":
+        if (
+            was.get("reason") == "PreemptionStorm"
+            and window.preemption_rate >= s.preemption_rate * PRESSURE_EXIT_RATIO
+        ):
+            return condition(PRESSURE, True, "PreemptionStorm", f"subsiding: {rate}")
+        if was.get("reason") == "Demand" and (
+            window.kv_usage >= s.kv_usage_high - 0.1
+            and window.waiting >= s.waiting_high * PRESSURE_EXIT_RATIO
+        ):
+            return condition(
+                PRESSURE, True, "Demand", "subsiding: KV cache and queue still near the thresholds"
+            )
+    return condition(PRESSURE, False, "NoPressure", "no sustained preemption or queue at a full KV cache")
+
+
+def remediating_condition(
+    decision: Decision, s: RemediationSettings, latest: Change | None, now: float
+) -> dict[str, Any]:
+    """``Remediating``: True while an applied change is being evaluated (within the cooldown)."""
+    if s.mode == OFF:
+        return condition(REMEDIATING, False, "Disabled", "spec.remediation.mode is Off: observing only")
+    if latest is not None and now - latest.time < s.cooldown_s:
+        what = (
+            f"{latest.lever}: {latest.field} {latest.from_:g} → {latest.to:g} at {format_time(latest.time)}"
+        )
+        if s.mode == AUTO:
+            return condition(REMEDIATING, True, "Reverted" if latest.lever == REVERT else "Applied", what)
+        return condition(REMEDIATING, False, "Recommended", f"recommended {what}")
+    if decision.exhausted:
+        return condition(REMEDIATING, False, "LeversExhausted", decision.reason[:1024])
+    return condition(REMEDIATING, False, "Stable", "no change needed")
+
+
+def _spec_value(spec: dict[str, Any], field: str) -> Any:
+    if field == "replicas":
+        return int(spec.get("replicas", 1))
+    return (spec.get("engine") or {}).get(field)
+
+
+def _override_patch(isvc: dict[str, Any], change: Change | None, now: float) -> dict[str, Any]:
+    """Overrides to write: stale ones (the user changed the field) removed, ``change`` applied."""
+    spec = apply_defaults(isvc.get("spec") or {})
+    current = ((isvc.get("status") or {}).get("effective") or {}).get("overrides") or {}
+    patch: dict[str, Any] = {}
+    for key, override in current.items():
+        if key not in LEVERS or not isinstance(override, dict):
+            continue
+        if override.get("specValue") != _spec_value(spec, key):
+            patch[key] = None  # the user edited the field: the spec wins, the override goes
+    if change is not None:
+        spec_value = _spec_value(spec, change.field)
+        if spec_value is not None and float(spec_value) == float(change.to):
+            patch[change.field] = None  # back to what the spec says: no override needed
+        else:
+            entry = {"value": change.to, "time": format_time(now), "reason": change.reason[:1024]}
+            if spec_value is not None:
+                entry["specValue"] = spec_value
+            patch[change.field] = entry
+    return patch
+
+
+def evaluate(
+    isvc: dict[str, Any], window: MetricWindow, now: float, *, observed_pods: bool = True
+) -> tuple[Decision, Update]:
+    """Decide for ``isvc`` (as last read) on ``window``; the status patch and Events that follow.
+
+    ``observed_pods``: whether any engine pod of it exists; with none and no remediation status yet,
+    nothing is written (a new or stopped InferenceService has nothing to report).
+    """
+    spec = isvc.get("spec") or {}
+    status = isvc.get("status") or {}
+    s = RemediationSettings.from_spec(spec)
+    effective: Effective = resolve_effective(isvc)
+    key = "recommendations" if s.mode == RECOMMEND else "remediations"
+    history = history_from_status(status.get(key))
+    decision = decide(window, spec, effective, history, now)
+    conditions = status.get("conditions") or []
+    if not observed_pods and not window.pods and find_condition(conditions, PRESSURE) is None:
+        return decision, Update(None)
+
+    patch: dict[str, Any] = {}
+    events: list[tuple[str, str, str]] = []
+    change = None
+    if decision.action in (APPLY, RECOMMEND_ACTION):
+        change = decision.change(now, effective.generation)
+        entries = [change.to_status(), *(status.get(key) or [])][:MAX_HISTORY]
+        patch[key] = entries
+        history = [change, *history]
+        what = decision.reason
+        if decision.action == RECOMMEND_ACTION:
+            events.append(("Normal", EVENT_RECOMMENDED, f"Recommend mode, not applied: {what}"))
+        elif change.lever == REVERT:
+            events.append(("Warning", EVENT_REVERTED, what))
+        else:
+            events.append(("Normal", EVENT_APPLIED, what))
+    overrides = _override_patch(isvc, change if decision.action == APPLY else None, now)
+    if overrides:
+        patch["effective"] = {"overrides": overrides}
+
+    if window.pods:
+        signals = signals_of(window)
+        have = dict(status.get("signals") or {})
+        sampled = have.pop("sampledAt", None)
+        fresh = sampled is not None and now - parse_time(sampled) < SIGNALS_REFRESH_S
+        if have != signals or not fresh:
+            patch["signals"] = {**signals, "sampledAt": format_time(window.end)}
+    elif status.get("signals"):
+        patch["signals"] = None  # no pod reports: old numbers would mislead
+    capacity = capacity_status(window)
+    if capacity is not None and status.get("capacity") != capacity:
+        patch["capacity"] = capacity
+
+    previous_pressure = find_condition(conditions, PRESSURE)
+    previous_remediating = find_condition(conditions, REMEDIATING)
+    pressure = pressure_condition(window, s, previous_pressure)
+    remediating = remediating_condition(decision, s, history[0] if history else None, now)
+    merged = merge_conditions(
+        conditions,
+        [pressure, remediating],
+        (isvc.get("metadata") or {}).get("generation"),
+        datetime.datetime.fromtimestamp(now, datetime.UTC),
+    )
+    if merged != conditions:
+        patch["conditions"] = merged
+    if pressure["status"] == "True" and (previous_pressure or {}).get("status") != "True":
+        events.append(("Warning", EVENT_PRESSURE, pressure["message"]))
+    if remediating["reason"] == "LeversExhausted" and (previous_remediating or {}).get("reason") != (
+        "LeversExhausted"
+    ):
+        events.append(("Warning", EVENT_EXHAUSTED, remediating["message"]))
+    return decision, Update(patch or None, tuple(events), change)
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """Apply a JSON merge patch (RFC 7386) to a copy of ``target``."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result

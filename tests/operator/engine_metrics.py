@@ -1,0 +1,152 @@
+"""Scripted engine metrics for the remediation tests: ``/metrics`` text as an engine serves it.
+
+``EngineMetrics`` renders the text with prometheus-client, exactly as ``kvpilot serve`` does (same
+library, same metric names from ``metrics_names``, counters with their ``_created`` sample), so the
+reader is tested against the real exposition format. A new ``EngineMetrics`` is a restarted engine:
+its counter starts at 0 with a new creation time.
+
+``ScriptedEngine`` serves one on 127.0.0.1 (a thread), its preemption counter advancing at a set rate
+in real time: the "pod" of the operator integration tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvpilot.engine import metrics_names as m
+
+
+class EngineMetrics:
+    """One engine's metrics; set the gauges, add preemptions, render ``text()``."""
+
+    def __init__(
+        self,
+        *,
+        num_gpu_blocks: int = 1024,
+        block_size: int = 16,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 8,
+        num_hidden_layers: int = 32,
+        num_gpu_blocks_override: int | None = None,
+        alias_only: bool = False,
+        model_name: str = "llama",
+    ) -> None:
+        self.registry = registry = CollectorRegistry()
+        label = [m.LABEL_MODEL_NAME]
+        counter = Counter(
+            m.NUM_PREEMPTIONS_TOTAL.removesuffix("_total"), "Preemptions.", label, registry=registry
+        )
+        self._preemptions = counter.labels(model_name)
+        usage_name = m.GPU_CACHE_USAGE_PERC if alias_only else m.KV_CACHE_USAGE_PERC
+        self._kv = Gauge(usage_name, "KV usage.", label, registry=registry).labels(model_name)
+        self._waiting = Gauge(m.NUM_REQUESTS_WAITING, "Waiting.", label, registry=registry).labels(model_name)
+        self._running = Gauge(m.NUM_REQUESTS_RUNNING, "Running.", label, registry=registry).labels(model_name)
+        cache = Gauge(m.CACHE_CONFIG_INFO, "Cache config.", list(m.CACHE_CONFIG_LABELS), registry=registry)
+        cache_labels = dict.fromkeys(m.CACHE_CONFIG_LABELS, "None")
+        cache_labels.update(
+            block_size=str(block_size),
+            num_gpu_blocks=str(num_gpu_blocks),
+            num_gpu_blocks_override=str(num_gpu_blocks_override),
+        )
+        cache.labels(**cache_labels).set(1)
+        model = Gauge(m.MODEL_CONFIG_INFO, "Model config.", list(m.MODEL_CONFIG_LABELS), registry=registry)
+        model_labels = dict.fromkeys(m.MODEL_CONFIG_LABELS, "None")
+        model_labels.update(
+            num_attention_heads=str(num_attention_heads),
+            num_key_value_heads=str(num_key_value_heads),
+            num_hidden_layers=str(num_hidden_layers),
+            max_model_len=str(max_model_len),
+            max_num_seqs=str(max_num_seqs),
+            max_num_batched_tokens=str(max_num_batched_tokens),
+        )
+        model.labels(**model_labels).set(1)
+        self._lock = threading.Lock()
+
+    def set(self, *, kv: float | None = None, waiting: float | None = None, running: float | None = None):
+        """Set gauges (None: unchanged)."""
+        with self._lock:
+            if kv is not None:
+                self._kv.set(kv)
+            if waiting is not None:
+                self._waiting.set(waiting)
+            if running is not None:
+                self._running.set(running)
+        return self
+
+    def preempt(self, count: float) -> EngineMetrics:
+        """Count ``count`` more preemptions."""
+        with self._lock:
+            if count:
+                self._preemptions.inc(count)
+        return self
+
+    @property
+    def preemptions(self) -> float:
+        return self._preemptions._value.get()
+
+    def text(self) -> str:
+        """The ``/metrics`` body."""
+        with self._lock:
+            return generate_latest(self.registry).decode()
+
+
+class ScriptedEngine:
+    """An HTTP server on 127.0.0.1 serving an ``EngineMetrics`` whose counter grows at ``rate``/s.
+
+    ``restart()`` swaps in a fresh ``EngineMetrics`` (a counter reset); ``fail = True`` answers 500.
+    """
+
+    def __init__(self, metrics: EngineMetrics | None = None, rate: float = 0.0) -> None:
+        self.metrics = metrics or EngineMetrics()
+        self.rate = rate
+        self.fail = False
+        self.requests = 0
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                body, status = engine._render()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+
+    def _render(self) -> tuple[bytes, int]:
+        with self._lock:
+            now = time.monotonic()
+            self.metrics.preempt(self.rate * (now - self._last))
+            self._last = now
+            self.requests += 1
+            if self.fail:
+                return b"engine error", 500
+            return self.metrics.text().encode(), 200
+
+    def set_rate(self, rate: float) -> None:
+        """From now on, ``rate`` preemptions per second."""
+        with self._lock:
+            now = time.monotonic()
+            self.metrics.preempt(self.rate * (now - self._last))
+            self._last = now
+            self.rate = rate
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
