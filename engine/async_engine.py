@@ -188,6 +188,8 @@ class AsyncEngine:
         """True while the engine thread runs, has not died, and no step has hung."""
         if self.dead_error is not None or self._thread is None or not self._thread.is_alive():
             return False
+        if self._engine_error() is not None:
+            return False
         started = self._step_started_at
         return started is None or time.monotonic() - started < self.stall_timeout_s
 
@@ -195,6 +197,9 @@ class AsyncEngine:
     def health_detail(self) -> str:
         if self.dead_error is not None:
             return f"the engine loop died: {type(self.dead_error).__name__}: {self.dead_error}"
+        error = self._engine_error()
+        if error is not None:
+            return f"the engine is unusable: {type(error).__name__}: {error}"
         if self._thread is None:
             return "the engine loop has not started"
         if not self._thread.is_alive():
@@ -203,6 +208,17 @@ class AsyncEngine:
         if started is not None and time.monotonic() - started >= self.stall_timeout_s:
             return f"an engine step has not returned for {time.monotonic() - started:.0f} s"
         return "ok"
+
+    def _engine_error(self) -> BaseException | None:
+        """What makes the engine unusable even while its loop idles (e.g. a dead parallel worker)."""
+        check = getattr(self.engine, "check_health", None)
+        if check is None:
+            return None
+        try:
+            check()
+        except Exception as exc:
+            return exc
+        return None
 
     # ------------------------------------------------------------------ requests (event loop)
     async def add(self, inputs: Sequence[PromptInput], stream: bool) -> RequestStream:

@@ -42,6 +42,16 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor/pipeline parallel); idempotent, also done at exit."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -16,20 +16,12 @@ from kvpilot.engine.beam_search import BeamSearchGroup, BeamSearchParams, BeamSe
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import ConfigError, EngineArgs
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
-from kvpilot.engine.memory import (
-    GiB,
-    KVPoolPlan,
-    cpu_activation_estimate,
-    format_bytes,
-    plan_kv_pool,
-    total_system_memory,
-)
-from kvpilot.engine.model_runner import KVCache, ModelRunner
+from kvpilot.engine.memory import GiB, format_bytes
 from kvpilot.engine.models.config import ModelConfig
-from kvpilot.engine.models.loader import load_model, resolve_model_dir
+from kvpilot.engine.models.loader import resolve_model_dir
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpilot.engine.parallel import ExecutorSpec, create_executor, validate_parallel_sizes
 from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from kvpilot.engine.stats import FinishedRequestStats, IterationStats
@@ -80,15 +72,18 @@ class LLMEngine:
     """Owns the tokenizer, model runner, block manager and scheduler of one engine instance."""
 
     def __init__(self, args: EngineArgs) -> None:
-        if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
-            raise ConfigError(
-                "tensor_parallel_size and pipeline_parallel_size other than 1 are not supported by this build"
-            )
         t0 = time.monotonic()
         self.args = args
         self.model_dir = resolve_model_dir(args.model)
         self.model_config = cfg = ModelConfig.from_pretrained(self.model_dir)
         self.device = resolve_device(args.device)
+        self.parallel_layout = validate_parallel_sizes(
+            cfg,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            self.device.type,
+            torch.cuda.device_count() if self.device.type == "cuda" else 0,
+        )
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.tokenizer = self._load_tokenizer(args.tokenizer or self.model_dir)
         self.eos_token_id = self._eos_token_id()
@@ -108,17 +103,25 @@ class LLMEngine:
 
         self.backend = get_backend(args.attention_backend, self.device.type)
         torch.manual_seed(args.seed)
-        self.model = load_model(
-            self.model_dir, cfg, self.backend, self.dtype, self.device, max(self.max_model_len, 1)
+        # Loads the model (sharded over worker processes when parallel), sizes and allocates the KV cache.
+        self.executor = create_executor(
+            ExecutorSpec(
+                self.model_dir,
+                cfg,
+                args,
+                self.parallel_layout,
+                self.dtype,
+                self.device,
+                self.backend,
+                self.max_model_len,
+                max_batched,
+            )
         )
-        self.sampler = Sampler(args.seed, self.device)
-        self.runner = ModelRunner(self.model, self.backend, self.device, args.block_size, self.sampler)
-        self.kv_plan = self._plan_kv_pool()
-        # The CPU swap pool exists only in swap mode: swap_space GiB of host memory.
-        self.num_cpu_blocks = 0
-        if args.preemption_mode == "swap":
-            self.num_cpu_blocks = int(args.swap_space * GiB) // self.kv_plan.bytes_per_block
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.num_cpu_blocks)
+        self.runner = self.executor.runner  # this process's runner (rank 0 when parallel)
+        self.model = self.runner.model
+        self.sampler = self.runner.sampler
+        self.kv_plan = self.executor.kv_plan  # per rank when parallel; every rank holds num_blocks
+        self.num_cpu_blocks = self.executor.num_cpu_blocks
         self.block_manager = BlockManager(
             self.kv_plan.num_blocks, args.block_size, args.enable_prefix_caching, self.num_cpu_blocks
         )
@@ -156,7 +159,11 @@ class LLMEngine:
             max_batched,
             time.monotonic() - t0,
         )
-        logger.info(self.kv_plan.describe(self.max_model_len))
+        kv_line = self.kv_plan.describe(self.max_model_len)
+        if self.parallel_layout.is_parallel:
+            num_ranks = self.parallel_layout.world_size
+            kv_line += f" (bytes per rank: each of the {num_ranks} ranks holds these blocks)"
+        logger.info(kv_line)
         if self.num_cpu_blocks:
             logger.info(
                 "swap space: %s, %d CPU blocks",
@@ -189,52 +196,6 @@ class LLMEngine:
                 f"max_model_len {self.args.max_model_len} exceeds what the model supports ({limit})"
             )
         return self.args.max_model_len
-
-    def _plan_kv_pool(self) -> KVPoolPlan:
-        cfg = self.model_config
-        args = self.args
-        bytes_per_block = KVCache.bytes_per_block(
-            cfg.num_hidden_layers, args.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype
-        )
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        explicit = args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None
-        activation = 0
-        budget = 0
-        used = 0
-        if not explicit:
-            tokens = self.max_num_batched_tokens
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(self.device)
-                before = torch.cuda.memory_allocated(self.device)
-                self.runner.profile_forward(tokens, args.max_num_seqs)
-                torch.cuda.synchronize(self.device)
-                activation = torch.cuda.max_memory_allocated(self.device) - before
-                free, budget = torch.cuda.mem_get_info(self.device)
-                used = budget - free - weights  # other processes and the CUDA context
-            else:
-                budget = args.cpu_memory_budget_bytes or total_system_memory() // 2
-                activation = cpu_activation_estimate(
-                    tokens,
-                    cfg.hidden_size,
-                    cfg.intermediate_size,
-                    (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim,
-                    cfg.vocab_size,
-                    args.max_num_seqs,
-                    self.dtype.itemsize,
-                )
-        return plan_kv_pool(
-            block_size=args.block_size,
-            bytes_per_block=bytes_per_block,
-            max_model_len=self.max_model_len,
-            num_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            budget_bytes=budget,
-            weights_bytes=weights,
-            activation_bytes=activation,
-            already_used_bytes=max(0, used),
-        )
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -415,10 +376,10 @@ class LLMEngine:
             return []
         if not sched_out.scheduled:
             # Everything runnable was preempted: only move the blocks this step released.
-            self.runner.apply_block_ops(sched_out)
+            self.executor.apply_block_ops(sched_out)
             return []
         t1 = time.perf_counter()
-        result = self.runner.execute(sched_out)
+        result = self.executor.execute(sched_out)
         t2 = time.perf_counter()
         prev_token_time = {rid: self._seqs[rid].last_token_time for rid in result.req_ids}
         sampled = dict(zip(result.req_ids, result.token_ids, strict=True))
@@ -565,6 +526,21 @@ class LLMEngine:
     @property
     def kv_pool_gib(self) -> float:
         return self.kv_plan.kv_bytes / GiB
+
+    # ------------------------------------------------------------------ lifecycle
+    def check_health(self) -> None:
+        """Raise the error that makes this engine unusable (a dead parallel worker), if any."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (idempotent; also done at interpreter exit)."""
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
 
 def _replace_params(params: SamplingParams, **changes) -> SamplingParams:

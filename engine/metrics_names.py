@@ -49,7 +49,8 @@ ITERATION_TOKENS_TOTAL = "vllm:iteration_tokens_total"  # a histogram despite th
 # Value 1; the configuration is in the labels (CACHE_CONFIG_LABELS / MODEL_CONFIG_LABELS).
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # Not a vLLM metric: the model's shape, so the operator can pick valid parallel sizes
-# (tensor_parallel_size must divide num_key_value_heads and num_attention_heads).
+# (tensor_parallel_size must divide num_attention_heads, and divide num_key_value_heads or be a multiple
+# of it; see kvpilot.engine.parallel.layout.allowed_tensor_parallel_sizes).
 MODEL_CONFIG_INFO = "kvpilot:model_config_info"
 
 CACHE_CONFIG_LABELS = (

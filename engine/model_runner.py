@@ -100,6 +100,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.sampler = sampler
+        # Weights, activations and the KV cache share one dtype.
+        self.dtype = next(model.parameters()).dtype
         self.kv_cache: KVCache | None = None
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> KVCache:
@@ -110,7 +112,7 @@ class ModelRunner:
             self.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            self.model.embed_tokens.weight.dtype,
+            self.dtype,
             self.device,
             num_cpu_blocks,
         )
@@ -224,7 +226,7 @@ class ModelRunner:
         """One forward at the largest step shape (``num_tokens`` tokens) without a KV cache, to measure
         peak activation memory. Uses a throwaway one-block cache per layer and drops the writes."""
         cfg = self.model.config
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.dtype
         num_reqs = max(1, min(max_num_seqs, num_tokens))
         per_req = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
         scratch_blocks = -(-max(per_req) // self.block_size)

@@ -132,7 +132,10 @@ def serve(
             "max_waiting_requests": args.max_waiting_requests,
         },
     )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()  # stops the worker processes of a parallel engine
     return 0 if server.started else 1
 
 
