@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[engine,operator,test]'
+	$(PIP) install -q -e '.[engine,operator,test,demo]'
 	touch $(STAMP)
 
 # KVPILOT_REQUIRE_TOOLS=1: tests that need helm/kubectl/hadolint fail (instead of skipping) when absent.
@@ -30,3 +30,4 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .tools
 
 include mk/operator.mk
+include mk/demo.mk

@@ -1,0 +1,393 @@
+"""``make demo``: the whole loop on one machine, from a preemption storm to the remediation that ends it.
+
+    python -m kvpilot.operator.demo [--model DIR] [--out build/demo] [--quick]
+
+1. A model: ``--model DIR`` (``MODEL=`` in make), else a small random-weight checkpoint built once into
+   ``--out`` (``kvpilot.engine.models.synthetic``; ``--quick``: the tiny test size).
+2. Calibration: one probe ``kvpilot serve`` reports what weights and activations take; from it the demo
+   picks ``cpuMemoryBudgetBytes`` and ``gpuMemoryUtilization`` so that the KV pool holds ~14 blocks while
+   the load needs 8 x 7 = 56, and one 0.05 step of the memory fraction makes room for all of it. On CPU
+   the fraction is of that budget, so the lever is real.
+3. ``kvpilot up -f inferenceservice.yaml --local`` (written to ``--out``) runs it: remediation ``Auto``,
+   a short window, ``maxSurge: 1`` so the restart drops no request.
+4. A bounded load (8 streaming clients through the front door) while the terminal shows replicas,
+   preemptions/s, KV usage, the queue and every remediation with its reason.
+5. After the remediation and a settled stretch on the new configuration: Ctrl-C to ``kvpilot up`` (no
+   process may outlive it), a summary (before/after preemption rate, throughput, TTFT p50/p99) and a
+   timeline plot (``timeline.png``, with ``summary.json``).
+
+Exit status 0 only when the loop really ran: a remediation was applied, the preemption rate fell below
+the storm threshold, and every process stopped. ``KVPILOT_DEMO_QUICK=1`` is ``--quick`` (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvpilot.operator import names
+from kvpilot.operator.demo_report import Sample, Timeline, Trip, summarize_run, write_plot
+from kvpilot.operator.demo_setup import (
+    THRESHOLD,
+    calibrate,
+    ensure_model,
+    start_process,
+    stop_process,
+    wait_for_line,
+    write_manifest,
+)
+from kvpilot.operator.window import parse_scrape
+
+CONCURRENCY = 8
+PROMPT_LEN, MAX_TOKENS = 16, 96  # 112 tokens = 7 blocks of 16 per request
+URL_LINE = re.compile(r"OpenAI API on (http://\S+)/v1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """Timings of one run (seconds)."""
+
+    size: str  # synthetic checkpoint size when no model is given
+    window_s: int
+    cooldown_s: int
+    after_s: float  # load on the new configuration before stopping
+    storm_timeout_s: float  # no remediation by then: the demo failed
+    rollout_timeout_s: float
+    report_every_s: float = 2.0
+
+
+FULL = Scenario("10m", window_s=12, cooldown_s=30, after_s=20, storm_timeout_s=150, rollout_timeout_s=150)
+QUICK = Scenario("test", window_s=6, cooldown_s=15, after_s=10, storm_timeout_s=90, rollout_timeout_s=90)
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# --- 4. load and live view ---------------------------------------------------------------------
+
+
+class Load:
+    """CONCURRENCY streaming clients in a closed loop; every finished request becomes a Trip."""
+
+    def __init__(self, url: str, model_name: str, vocab: int, seed: int = 0) -> None:
+        self.url = url
+        self.model_name = model_name
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+        self.trips: list[Trip] = []
+        self.refused = 0
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await asyncio.gather(*(self._client(session) for _ in range(CONCURRENCY)))
+
+    async def _client(self, session: aiohttp.ClientSession) -> None:
+        while not self.stopping.is_set():
+            prompt = [self.rng.randrange(5, self.vocab) for _ in range(PROMPT_LEN)]
+            body = {
+                "model": self.model_name,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            start, first, tokens = time.time(), None, 0
+            try:
+                async with session.post(self.url + "/v1/completions", json=body) as response:
+                    if response.status != 200:
+                        self.refused += 1
+                        await asyncio.sleep(0.2)
+                        continue
+                    async for line in response.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        event = json.loads(line[6:])
+                        if event.get("choices") and first is None:
+                            first = time.time()
+                        if event.get("usage"):
+                            tokens = event["usage"]["completion_tokens"]
+            except (aiohttp.ClientError, TimeoutError):
+                self.refused += 1
+                await asyncio.sleep(0.2)
+                continue
+            if first is not None and tokens:
+                self.trips.append(Trip(start, first, time.time(), tokens))
+
+
+class Monitor:
+    """Samples the platform once a second: ``/local/status`` and every ready replica's ``/metrics``."""
+
+    def __init__(self, url: str, t0: float) -> None:
+        self.url = url
+        self.timeline = Timeline(t0)
+        self.status: dict[str, Any] = {}
+        self._counters: dict[str, float] = {}
+        self._last_time: float | None = None
+
+    async def sample(self, session: aiohttp.ClientSession) -> Sample | None:
+        try:
+            async with session.get(self.url + "/local/status") as response:
+                self.status = await response.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        now = time.time()
+        replicas = [r for r in self.status.get("replicas", []) if r["ready"]]
+        scrapes = await asyncio.gather(*(self._scrape(session, r["url"]) for r in replicas))
+        increase = 0.0
+        kv, waiting, running, blocks = [], 0.0, 0.0, []
+        for replica, scrape in zip(replicas, scrapes, strict=True):
+            if scrape is None or scrape.missing:
+                continue
+            before = self._counters.get(replica["name"])
+            value = scrape.preemptions or 0.0
+            if before is not None:
+                increase += value - before if value >= before else value  # a restart resets the counter
+            self._counters[replica["name"]] = value
+            kv.append(scrape.kv_usage or 0.0)
+            waiting += scrape.waiting or 0.0
+            running += scrape.running or 0.0
+            if "num_gpu_blocks" in scrape.cache_info:
+                blocks.append(int(scrape.cache_info["num_gpu_blocks"]))
+        dt = now - self._last_time if self._last_time is not None else None
+        self._last_time = now
+        isvc = self.status.get("inferenceService") or {}
+        effective = (isvc.get("status") or {}).get("effective") or {}
+        sample = Sample(
+            time=now,
+            replicas_ready=len(replicas),
+            replicas_desired=int(effective.get("replicas", 1)),
+            preemption_rate=increase / dt if dt else 0.0,
+            preemptions=increase,
+            kv_usage=sum(kv) / len(kv) if kv else None,
+            waiting=waiting,
+            running=running,
+            num_blocks=min(blocks) if blocks else None,
+            gpu_memory_utilization=effective.get("gpuMemoryUtilization"),
+        )
+        self.timeline.samples.append(sample)
+        return sample
+
+    async def _scrape(self, session: aiohttp.ClientSession, url: str):
+        try:
+            async with session.get(url + names.METRICS_PATH) as response:
+                return parse_scrape(await response.text(), time.time())
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    def remediations(self) -> list[dict[str, Any]]:
+        """``status.remediations``, oldest first."""
+        status = (self.status.get("inferenceService") or {}).get("status") or {}
+        return list(reversed(status.get("remediations") or []))
+
+    def rolled_out(self) -> bool:
+        """Every desired replica ready on the current configuration, none left on an older one."""
+        replicas = self.status.get("replicas") or []
+        isvc = self.status.get("inferenceService") or {}
+        desired = int(((isvc.get("status") or {}).get("effective") or {}).get("replicas", 1))
+        current = [r for r in replicas if r["current"] and r["ready"]]
+        return len(current) == desired and len(replicas) == desired
+
+
+HEADER = "  ".join(
+    f"{title:>{width}}"
+    for title, width in (
+        ("time", 6),
+        ("replicas", 8),
+        ("preempt/s", 9),
+        ("KV cache", 8),
+        ("waiting", 7),
+        ("running", 7),
+        ("done", 5),
+        ("tok/s", 6),
+        ("mem. fraction", 13),
+    )
+)
+
+
+def live_line(sample: Sample, t0: float, load: Load, window: list[Sample]) -> str:
+    """One row of the live table (rates over the last few samples)."""
+    span = window[-1].time - window[0].time if len(window) > 1 else 0.0
+    rate = sum(s.preemptions for s in window[1:]) / span if span else 0.0
+    recent = [t for t in load.trips if t.end >= window[0].time] if window else []
+    tok_s = sum(t.tokens for t in recent) / span if span else 0.0
+    kv = f"{sample.kv_usage:.0%}" if sample.kv_usage is not None else "-"
+    fraction = f"{sample.gpu_memory_utilization:g}" if sample.gpu_memory_utilization is not None else "-"
+    return (
+        f"{sample.time - t0:5.0f}s  {sample.replicas_ready:>4}/{sample.replicas_desired:<3}  {rate:9.1f}  "
+        f"{kv:>8}  {sample.waiting:7.0f}  {sample.running:7.0f}  {len(load.trips):5d}  {tok_s:6.0f}  "
+        f"{fraction:>13}"
+    )
+
+
+async def drive(url: str, model_name: str, vocab: int, scenario: Scenario) -> tuple[Monitor, Load, dict]:
+    """Load the platform until a remediation has run and the new configuration served ``after_s``."""
+    t0 = time.time()
+    load = Load(url, model_name, vocab)
+    monitor = Monitor(url, t0)
+    marks: dict[str, float] = {"load_start": t0}
+    seen = 0
+    load_task = asyncio.create_task(load.run())
+    say()
+    say(HEADER)
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        next_report = t0 + scenario.report_every_s
+        while True:
+            await asyncio.sleep(1.0)
+            sample = await monitor.sample(session)
+            now = time.time()
+            if sample is not None and now >= next_report:
+                recent = [s for s in monitor.timeline.samples if s.time >= now - 3.0]
+                say(live_line(sample, t0, load, recent))
+                next_report += scenario.report_every_s
+            changes = monitor.remediations()
+            for change in changes[seen:]:
+                what = f"{change['field']} {change['from']:g} -> {change['to']:g}"
+                say(f"  >> remediation {change['lever']}: {what}")
+                say(f"     reason: {change['reason']}")
+                monitor.timeline.changes.append({**change, "t": now - t0})
+                marks.setdefault("remediation", now)
+            seen = len(changes)
+            if "remediation" not in marks:
+                if now - t0 > scenario.storm_timeout_s:
+                    say(f"no remediation within {scenario.storm_timeout_s:.0f}s")
+                    break
+            elif "rolled_out" not in marks:
+                if monitor.rolled_out():
+                    marks["rolled_out"] = now
+                    say(f"  >> rollout complete: every replica runs the new configuration ({now - t0:.0f}s)")
+                elif now - marks["remediation"] > scenario.rollout_timeout_s:
+                    say(f"the new configuration did not roll out within {scenario.rollout_timeout_s:.0f}s")
+                    break
+            elif now - marks["rolled_out"] >= scenario.after_s:
+                break
+    load.stopping.set()
+    try:
+        await asyncio.wait_for(load_task, timeout=30)
+    except TimeoutError:
+        load_task.cancel()
+    marks["end"] = time.time()
+    return monitor, load, marks
+
+
+# --- 3. and 5.: run it -------------------------------------------------------------------------
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"kvpilot" in cmdline:
+            alive.append(pid)
+    return alive
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpilot.operator.demo", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model", default=os.environ.get("MODEL") or None, help="Hugging Face model dir")
+    parser.add_argument("--out", type=Path, default=Path("build/demo"), help="cache and results")
+    quick = os.environ.get("KVPILOT_DEMO_QUICK") == "1"
+    parser.add_argument("--quick", action="store_true", default=quick, help="a short run (CI)")
+    args = parser.parse_args(argv)
+    scenario = QUICK if args.quick else FULL
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    began = time.time()
+
+    model = ensure_model(args.model, out, scenario.size)
+    config = json.loads((model / "config.json").read_text())
+    say(f"model: {model}")
+    say("calibrating: one probe engine measures what weights and activations take...")
+    cal = calibrate(model, out)
+    manifest = out / "inferenceservice.yaml"
+    isvc = write_manifest(manifest, model, cal, scenario.window_s, scenario.cooldown_s)
+    before, after = cal["expected_blocks"]
+    say(
+        f"KV pool: cpuMemoryBudgetBytes {cal['budget']:,} x gpuMemoryUtilization {cal['fraction']:g} leaves "
+        f"~{before} blocks of 16 tokens; {CONCURRENCY} streams need {CONCURRENCY * 7}; "
+        f"one 0.05 step gives ~{after}"
+    )
+    say(f"starting: kvpilot up -f {manifest} --local")
+    up_log = out / "kvpilot-up.log"
+    command = [sys.executable, "-m", "kvpilot.cli", "up", "-f", str(manifest), "--local", "--port", "0"]
+    command += ["--scrape-interval", "1", "--status-interval", "5", "--log-dir", str(out / "logs")]
+    up = start_process(command, up_log, new_session=False)  # same process group: Ctrl-C reaches it too
+    monitor = load = None
+    marks: dict[str, float] = {}
+    try:
+        url = wait_for_line(up, up_log, URL_LINE, 60)
+        say(f"front door: {url}/v1 (OpenAI API), live state: {url}/local/status")
+        deadline = time.monotonic() + 180
+        while not _healthy(url):
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"error: no replica became ready; see {up_log} and {out / 'logs'}")
+            time.sleep(0.5)
+        say(
+            f"replica ready ({time.time() - began:.0f}s since start); load: {CONCURRENCY} streaming clients, "
+            f"{PROMPT_LEN}-token prompts, {MAX_TOKENS} tokens each"
+        )
+        vocab = min(int(config.get("vocab_size", 1000)), 1000)
+        monitor, load, marks = asyncio.run(drive(url, isvc["spec"]["model"]["name"], vocab, scenario))
+    except KeyboardInterrupt:
+        say("\ninterrupted: stopping kvpilot up")
+        stop_process(up, signal.SIGINT, 30)
+        return 130
+    finally:
+        pids = [r["pid"] for r in (monitor.status.get("replicas", []) if monitor else []) if r.get("pid")]
+        code = stop_process(up, signal.SIGINT, 40)  # what Ctrl-C does
+    orphans = _pids_alive(pids)
+    say(f"stopped kvpilot up (exit code {code}); engine processes left: {len(orphans)}")
+    result = summarize_run(monitor.timeline, load.trips, load.refused, marks, THRESHOLD, cal)
+    result.update(clean_exit=code == 0, orphans=orphans, elapsed_s=round(time.time() - began, 1))
+    result["passed"] = bool(result["loop_closed"] and code == 0 and not orphans)
+    if result["loop_closed"] and not result["passed"]:
+        result["why_not"] = f"kvpilot up exited with {code}" if code else f"processes left: {orphans}"
+    png = write_plot(monitor.timeline, marks, THRESHOLD, out / "timeline.png")
+    result["timeline_png"] = str(png) if png else None
+    phases = {k: round(v - marks["load_start"], 2) for k, v in marks.items()}
+    details = {**result, "marks_s": phases, "timeline": monitor.timeline.to_json()}
+    (out / "summary.json").write_text(json.dumps(details, indent=1))
+    say()
+    say(result["text"])
+    no_plot = "matplotlib is not installed (pip install -e '.[demo]')"
+    say(f"timeline plot: {png or no_plot}")
+    say(f"numbers: {out / 'summary.json'}; logs: {up_log}, {out / 'logs'}")
+    say("PASS: the loop closed" if result["passed"] else "FAIL: " + result["why_not"])
+    return 0 if result["passed"] else 1
+
+
+def _healthy(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + names.HEALTH_PATH, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""What the demo measured: the timeline it sampled, the requests it sent, the summary and the plot.
+
+Pure except :func:`write_plot` (matplotlib, the ``demo`` extra; imported only there). Phases, in seconds
+since the load started::
+
+    |-- warm-up --|------- before --------|--- rollout ---|-- settle --|------ after ------|
+    load start    +3 s                    remediation     rolled out   +2 s                end
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+WARMUP_S = 3.0
+SETTLE_S = 2.0
+LABEL_BOX = {"facecolor": "white", "alpha": 0.8, "edgecolor": "none"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One look at the platform: replicas, and summed over the ready replicas since the last look."""
+
+    time: float
+    replicas_ready: int
+    replicas_desired: int
+    preemption_rate: float  # all replicas, per second since the previous sample
+    preemptions: float
+    kv_usage: float | None  # mean over replicas, 0..1
+    waiting: float
+    running: float
+    num_blocks: int | None
+    gpu_memory_utilization: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Trip:
+    """One completed request: start, first token and end (unix seconds), output tokens."""
+
+    start: float
+    first_token: float
+    end: float
+    tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.start
+
+
+@dataclasses.dataclass
+class Timeline:
+    """Samples and the remediations seen (``t``: seconds since ``t0``)."""
+
+    t0: float
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    changes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        rows = [{**dataclasses.asdict(s), "t": round(s.time - self.t0, 2)} for s in self.samples]
+        return {"samples": rows, "remediations": self.changes}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def phase(timeline: Timeline, trips: list[Trip], begin: float, end: float) -> dict[str, Any]:
+    """The numbers of one phase ``(begin, end]`` (unix seconds)."""
+    samples = [s for s in timeline.samples if begin < s.time <= end]
+    span = max(end - begin, 1e-9)
+    replicas = sum(s.replicas_ready for s in samples) / len(samples) if samples else 0
+    kv = [s.kv_usage for s in samples if s.kv_usage is not None]
+    finished = [t for t in trips if begin < t.end <= end]
+    started = [t.ttft for t in trips if begin < t.start <= end]
+    blocks = [s.num_blocks for s in samples if s.num_blocks is not None]
+    preemptions = sum(s.preemptions for s in samples)
+    return {
+        "seconds": round(span, 1),
+        "preemptions_per_s_per_replica": round(preemptions / span / max(replicas, 1), 2),
+        "kv_cache_usage": round(sum(kv) / len(kv), 3) if kv else None,
+        "output_tokens_per_s": round(sum(t.tokens for t in finished) / span, 1),
+        "ttft_p50_s": percentile(started, 50),
+        "ttft_p99_s": percentile(started, 99),
+        "requests": len(finished),
+        "num_gpu_blocks": min(blocks) if blocks else None,
+    }
+
+
+def _fmt_s(value: float | None) -> str:
+    return f"{value:.2f} s" if value is not None else "-"
+
+
+def summarize_run(
+    timeline: Timeline,
+    trips: list[Trip],
+    refused: int,
+    marks: dict[str, float],
+    threshold: float,
+    calibration: dict[str, Any],
+) -> dict[str, Any]:
+    """Before/after numbers, whether the loop closed (and why not), and the summary text."""
+    t0, end = marks["load_start"], marks["end"]
+    remediated = marks.get("remediation")
+    before = phase(timeline, trips, t0 + WARMUP_S, remediated or end)
+    after = phase(timeline, trips, marks["rolled_out"] + SETTLE_S, end) if "rolled_out" in marks else None
+    why_not = None
+    if remediated is None:
+        why_not = "no remediation was applied"
+    elif before["preemptions_per_s_per_replica"] <= threshold:
+        why_not = f"there was no storm before the remediation ({before['preemptions_per_s_per_replica']}/s)"
+    elif after is None or after["seconds"] < 1:
+        why_not = "the new configuration never served on its own"
+    elif after["preemptions_per_s_per_replica"] >= threshold:
+        rate = after["preemptions_per_s_per_replica"]
+        why_not = f"the preemption rate stayed above {threshold:g}/s ({rate}/s)"
+    lines = ["== kvpilot demo: summary =="]
+    for change in timeline.changes:
+        lines.append(
+            f"remediation at +{change['t']:.0f}s: {change['lever']}: {change['field']} "
+            f"{change['from']:g} -> {change['to']:g}"
+        )
+        lines.append(f"  why: {change['reason']}")
+    if "rolled_out" in marks and remediated is not None:
+        lines.append(
+            f"rollout: +{marks['rolled_out'] - t0:.0f}s ({marks['rolled_out'] - remediated:.0f}s after the "
+            f"change); requests refused or cut short over the whole run: {refused}"
+        )
+    rows = [
+        ("preemptions/s per replica", "preemptions_per_s_per_replica", lambda v: f"{v:g}"),
+        ("KV cache usage (mean)", "kv_cache_usage", lambda v: f"{v:.0%}" if v is not None else "-"),
+        ("throughput (output tok/s)", "output_tokens_per_s", lambda v: f"{v:g}"),
+        ("TTFT p50", "ttft_p50_s", _fmt_s),
+        ("TTFT p99", "ttft_p99_s", _fmt_s),
+        ("requests completed", "requests", str),
+        ("KV pool (blocks of 16)", "num_gpu_blocks", lambda v: str(v) if v is not None else "-"),
+        ("phase length (s)", "seconds", lambda v: f"{v:g}"),
+    ]
+    lines.append(f"  {'':28}{'before':>12}{'after':>12}")
+    for label, key, show in rows:
+        right = show(after[key]) if after else "-"
+        lines.append(f"  {label:28}{show(before[key]):>12}{right:>12}")
+    if why_not is None:
+        lines.append(
+            f"loop closed: {before['preemptions_per_s_per_replica']:g} -> "
+            f"{after['preemptions_per_s_per_replica']:g} preemptions/s per replica "
+            f"(storm threshold {threshold:g})"
+        )
+    else:
+        lines.append(f"loop NOT closed: {why_not}")
+    return {
+        "before": before,
+        "after": after,
+        "remediations": timeline.changes,
+        "refused_requests": refused,
+        "calibration": calibration,
+        "loop_closed": why_not is None,
+        "why_not": why_not,
+        "text": "\n".join(lines),
+    }
+
+
+def _label(axis: Any, text: str, x: float, y: float, color: str, va: str = "baseline") -> None:
+    """Text right of ``x`` (data) at height ``y`` (fraction of the axes)."""
+    axis.annotate(
+        text, (x, y), xycoords=("data", "axes fraction"), xytext=(4, 0), textcoords="offset points",
+        fontsize=8, color=color, va=va, ha="left", bbox=LABEL_BOX,
+    )  # fmt: skip
+
+
+def write_plot(timeline: Timeline, marks: dict[str, float], threshold: float, path: Path) -> Path | None:
+    """The timeline as a PNG: preemption rate and KV usage, remediations marked; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    t0 = timeline.t0
+    xs = [s.time - t0 for s in timeline.samples]
+    raw = [s.preemption_rate / max(s.replicas_ready, 1) for s in timeline.samples]
+    rate = [sum(raw[max(0, i - 2) : i + 1]) / len(raw[max(0, i - 2) : i + 1]) for i in range(len(raw))]
+    kv = [100 * s.kv_usage if s.kv_usage is not None else float("nan") for s in timeline.samples]
+    waiting = [s.waiting for s in timeline.samples]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 6), constrained_layout=True)
+    top.plot(xs, rate, color="tab:red", label="preemptions/s per replica (3 s mean)")
+    storm = f"storm threshold ({threshold:g}/s)"
+    top.axhline(threshold, color="tab:red", linestyle=":", linewidth=1, label=storm)
+    top.set_ylabel("preemptions/s")
+    top.set_title("kvpilot demo: a preemption storm, and the remediation that ends it")
+    bottom.plot(xs, kv, color="tab:blue", label="KV cache usage (%)")
+    bottom.set_ylabel("KV cache usage (%)")
+    bottom.set_ylim(0, 105)
+    bottom.set_xlabel("seconds since the load started")
+    queue = bottom.twinx()
+    queue.step(xs, waiting, where="post", color="tab:gray", alpha=0.6, label="requests waiting")
+    queue.set_ylabel("requests waiting")
+    if "remediation" in marks and "rolled_out" in marks:
+        span = (marks["remediation"] - t0, marks["rolled_out"] - t0)
+        for axis in (top, bottom):
+            axis.axvspan(*span, color="tab:orange", alpha=0.12)
+        _label(bottom, "rolling restart", span[0], 0.03, "tab:orange")
+    for change in timeline.changes:
+        for axis in (top, bottom):
+            axis.axvline(change["t"], color="tab:orange", linestyle="--")
+        label = f"{change['lever']}\n{change['field']} {change['from']:g} → {change['to']:g}"
+        _label(top, label, change["t"], 0.97, "tab:orange", va="top")
+    if "rolled_out" in marks:
+        _label(top, "new configuration serving", marks["rolled_out"] - t0, 0.6, "tab:green")
+        for axis in (top, bottom):
+            axis.axvline(marks["rolled_out"] - t0, color="tab:green", linestyle=":")
+    top.legend(loc="upper right", fontsize=8)
+    handles = bottom.get_legend_handles_labels()
+    more = queue.get_legend_handles_labels()
+    bottom.legend(handles[0] + more[0], handles[1] + more[1], loc="lower right", fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,177 @@
+"""The local platform with real engines: the front door streams and balances, a crashed replica comes
+back, a new configuration restarts replicas with the args the builders render, replicas are added and
+removed, and nothing outlives a stop (nor the platform's abrupt end). The platform runs in-process (a
+thread of its own); every engine is a real ``kvpilot serve`` on the session's tiny checkpoint."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.engine import metrics_names as m
+from kvpilot.operator import names
+from kvpilot.operator.kube import object_path
+from tests.operator.conftest import wait_for
+from tests.operator.local_support import (
+    MODEL_NAME,
+    PlatformThread,
+    leftovers,
+    tiny_isvc,
+    write_manifest,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+START_S = 90  # engine start-up on a busy 2-core machine, generously
+
+
+@pytest.fixture
+def platforms(tmp_path):
+    """Start platforms with ``start(isvc, **options)``; all are stopped (and checked) afterwards."""
+    started: list[PlatformThread] = []
+
+    def start(isvc: dict, **options) -> PlatformThread:
+        platform = PlatformThread(isvc, tmp_path, **options)
+        started.append(platform)
+        return platform.start()
+
+    yield start
+    for platform in started:
+        platform.stop()
+
+
+def samples(url: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def successes(url: str) -> float:
+    return sum(s.value for s in samples(url).get(m.REQUEST_SUCCESS_TOTAL, []))
+
+
+def test_front_door_streams_balances_survives_a_crash_and_stop_leaves_nothing(platforms, tiny_llama):
+    platform = platforms(tiny_isvc(tiny_llama, replicas=2))
+    replicas = wait_for(lambda: platform.ready_replicas(2), timeout=START_S, what="two ready replicas")
+    assert httpx.get(platform.url + "/health").status_code == 200
+    pids = [r["pid"] for r in replicas]
+    assert len({r["url"] for r in replicas}) == 2 and all(pids)
+
+    # Streaming through the door gives what one replica answers directly (greedy: the same tokens).
+    client = openai.OpenAI(base_url=platform.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "hello there"}]
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert sum(1 for p in pieces if p) >= 2, "tokens must arrive as separate chunks"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    direct = openai.OpenAI(base_url=replicas[0]["url"] + "/v1", api_key="unused", max_retries=0)
+    answer = direct.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0)
+    assert "".join(pieces) == answer.choices[0].message.content
+
+    # Concurrent requests spread over both replicas (each counted by the replica itself).
+    before = {r["url"]: successes(r["url"]) for r in replicas}
+
+    def complete(i: int) -> int:
+        stream = client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"request {i}",
+            max_tokens=48,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return sum(1 for _ in stream)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(n > 1 for n in pool.map(complete, range(16)))
+    served = {url: successes(url) - count for url, count in before.items()}
+    assert sum(served.values()) == 16
+    assert min(served.values()) >= 4, f"the door must balance: {served}"
+    door = platform.status()["frontDoor"]
+    assert sum(door["served"].values()) == 16 + 1  # and the chat stream (the direct request bypassed it)
+
+    # A replica crashes: the door routes around it at once, the kubelet restarts the same pod.
+    crashed = replicas[0]
+    os.kill(crashed["pid"], signal.SIGKILL)  # a replica this test's platform started
+    for i in range(4):
+        assert complete(100 + i) > 1, "requests must keep succeeding on the other replica"
+
+    def restarted():
+        now = next(r for r in platform.status()["replicas"] if r["name"] == crashed["name"])
+        return now if now["ready"] and now["restarts"] == 1 else None
+
+    after = wait_for(restarted, timeout=START_S, what="the crashed replica to come back")
+    assert after["url"] == crashed["url"] and after["pid"] != crashed["pid"]
+    assert after["lastExitCode"] == -signal.SIGKILL
+    pod = platform.platform.api.read(object_path("v1", "Pod", "local", crashed["name"]))
+    (container,) = pod["status"]["containerStatuses"]
+    assert container["restartCount"] == 1 and container["lastState"]["terminated"]["reason"] == "Error"
+    assert "running" in container["state"]
+    assert platform.status()["inferenceService"]["status"]["phase"] == "Ready"
+    assert successes(after["url"]) == 0  # a new process: its counters start again
+    assert complete(200) > 1
+
+    platform.stop()
+    assert leftovers([*pids, after["pid"]]) == [], "no engine process may outlive the platform"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(platform.url + "/health", timeout=2)
+
+
+def test_new_configuration_restarts_with_the_rendered_args_and_scales(platforms, tiny_llama, tmp_path):
+    isvc = tiny_isvc(tiny_llama, replicas=1)
+    manifest = write_manifest(tmp_path / "isvc.yaml", isvc)
+    platform = platforms(isvc, manifest=manifest)
+    (first,) = wait_for(lambda: platform.ready_replicas(1), timeout=START_S, what="a ready replica")
+    assert first["args"][first["args"].index("--gpu-memory-utilization") + 1] == "0.5"
+
+    # What remediation writes in Auto mode (status.effective.overrides), then its re-render.
+    api = platform.platform.api
+    path = object_path(names.API_VERSION, names.KIND, "local", "tiny")
+    override = {"value": 0.6, "specValue": 0.5, "time": "2026-01-01T00:00:00.000Z", "reason": "test"}
+    patch = {"status": {"effective": {"overrides": {"gpuMemoryUtilization": override}}}}
+    platform.call(api.merge_patch(path + "/status", patch))
+    platform.call(platform.platform.reconcile())
+    (second,) = wait_for(lambda: platform.ready_replicas(1), timeout=START_S, what="the new replica")
+    assert second["name"] != first["name"] and leftovers([first["pid"]]) == []
+    deployment = api.read(object_path("apps/v1", "Deployment", "local", "tiny"))
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    rendered = list(container["args"])
+    expected = rendered[1:]
+    expected[expected.index("--host") + 1] = "127.0.0.1"
+    expected[expected.index("--port") + 1] = second["url"].rsplit(":", 1)[1]
+    assert second["args"][1:] == expected, "the replica runs exactly the args the builders rendered"
+    assert second["args"][second["args"].index("--gpu-memory-utilization") + 1] == "0.6"
+    info = samples(second["url"])[m.CACHE_CONFIG_INFO][0].labels
+    assert info["gpu_memory_utilization"] == "0.6"
+
+    # The user edits the spec (kubectl apply): two replicas, the override still applies (gmu untouched).
+    isvc["spec"]["replicas"] = 2
+    manifest.write_text(yaml.safe_dump(isvc))
+    two = wait_for(lambda: platform.ready_replicas(2), timeout=START_S, what="a second replica")
+    assert second["name"] in {r["name"] for r in two}, "scaling up restarts nobody"
+    assert all(r["args"][r["args"].index("--gpu-memory-utilization") + 1] == "0.6" for r in two)
+    status = platform.status()["inferenceService"]
+    assert status["metadata"]["generation"] == 2 and status["status"]["effective"]["replicas"] == 2
+
+    isvc["spec"]["replicas"] = 1
+    manifest.write_text(yaml.safe_dump(isvc))
+    (one,) = wait_for(lambda: platform.ready_replicas(1), timeout=30, what="the scale-down")
+    gone = [r["pid"] for r in two if r["name"] != one["name"]]
+    wait_for(lambda: leftovers(gone) == [], timeout=15, what="the removed replica to exit")
+    assert status["metadata"]["uid"] == platform.status()["inferenceService"]["metadata"]["uid"]
+    pods = api.list("pods", "local")
+    assert [p["metadata"]["name"] for p in pods] == [one["name"]]
+    # The platform dies without cleaning up (its thread ends): the replica goes too (PR_SET_PDEATHSIG).
+    platform.loop.call_soon_threadsafe(platform.loop.stop)
+    platform.thread.join(timeout=10)
+    wait_for(lambda: leftovers([one["pid"]]) == [], timeout=20, what="the orphaned replica to exit")
