@@ -95,9 +95,7 @@ def make_batch(spans, block_size, num_kv_heads, head_size, dtype, num_layers, se
         tables.append(perm[used : used + n] + [0] * (width - n))
         used += n
     shape = (num_blocks, block_size, num_kv_heads, head_size)
-    caches = [
-        tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2)) for _ in range(num_layers)
-    ]
+    caches = [tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2)) for _ in range(num_layers)]
     return caches, tables
 
 
@@ -157,8 +155,9 @@ def time_step(fn, query, caches, spans, tables, scale, repeats, clock=time.perf_
 def run_case(name, spans, args, threads) -> dict:
     torch.set_num_threads(threads)
     dtype = torch.bfloat16
-    caches, tables = make_batch(spans, args.block_size, args.num_kv_heads, args.head_size, dtype,
-                                args.num_layers)
+    caches, tables = make_batch(
+        spans, args.block_size, args.num_kv_heads, args.head_size, dtype, args.num_layers
+    )
     gen = torch.Generator().manual_seed(1)
     num_tokens = sum(q for _, q in spans)
     query = torch.randn(num_tokens, args.num_heads, args.head_size, generator=gen).to(dtype)
@@ -170,12 +169,15 @@ def run_case(name, spans, args, threads) -> dict:
     # Interleave the two implementations so that drift in the machine's load hits both alike.
     base_ms, new_ms, base_cpu, new_cpu = [], [], [], []
     for _ in range(args.rounds):
-        for fn, wall, cpu in ((baseline_paged_attention, base_ms, base_cpu),
-                              (torch_ops.paged_attention, new_ms, new_cpu)):
+        for fn, wall, cpu in (
+            (baseline_paged_attention, base_ms, base_cpu),
+            (torch_ops.paged_attention, new_ms, new_cpu),
+        ):
             wall.append(time_step(fn, query, caches, spans, tables, scale, args.repeats))
             if threads == 1:
-                cpu.append(time_step(fn, query, caches, spans, tables, scale, args.repeats,
-                                     clock=time.process_time))
+                cpu.append(
+                    time_step(fn, query, caches, spans, tables, scale, args.repeats, clock=time.process_time)
+                )
     kv_bytes = 2 * sum(c + q for c, q in spans) * args.num_kv_heads * args.head_size * 2
     before, after = statistics.median(base_ms), statistics.median(new_ms)
     return {
@@ -199,8 +201,9 @@ def run_case(name, spans, args, threads) -> dict:
 
 def sweep_chunk_bytes(spans, args, threads) -> list[dict]:
     torch.set_num_threads(threads)
-    caches, tables = make_batch(spans, args.block_size, args.num_kv_heads, args.head_size, torch.bfloat16,
-                                args.num_layers)
+    caches, tables = make_batch(
+        spans, args.block_size, args.num_kv_heads, args.head_size, torch.bfloat16, args.num_layers
+    )
     query = torch.randn(len(spans), args.num_heads, args.head_size).to(torch.bfloat16)
     default = torch_ops._DECODE_CHUNK_BYTES
     rows = []
@@ -208,8 +211,15 @@ def sweep_chunk_bytes(spans, args, threads) -> list[dict]:
         for mib in (0.5, 1, 2, 4, 8, 16, 64, 1024):
             torch_ops._DECODE_CHUNK_BYTES = int(mib * 2**20)
             ms = statistics.median(
-                time_step(torch_ops.paged_attention, query, caches, spans, tables, args.head_size**-0.5,
-                          args.repeats)
+                time_step(
+                    torch_ops.paged_attention,
+                    query,
+                    caches,
+                    spans,
+                    tables,
+                    args.head_size**-0.5,
+                    args.repeats,
+                )
                 for _ in range(args.rounds)
             )
             rows.append({"threads": threads, "chunk_mib": mib, "ms": round(ms, 3)})
@@ -250,15 +260,21 @@ def main(argv: list[str] | None = None) -> dict:
     for threads in [int(t) for t in args.threads.split(",")]:
         for name, spans in cases.items():
             rows.append(run_case(name, spans, args, threads))
-    header = (f"{'case':<28}{'threads':>8}{'before ms':>11}{'after ms':>10}{'speedup':>9}{'GB/s':>7}"
-              f"{'err after':>11}{'CPU-time before/after ms':>26}")
-    print("CPU attention per layer, torch path (bf16, "
-          f"{args.num_heads}q/{args.num_kv_heads}kv heads, d={args.head_size}, block {args.block_size})")
+    header = (
+        f"{'case':<28}{'threads':>8}{'before ms':>11}{'after ms':>10}{'speedup':>9}{'GB/s':>7}"
+        f"{'err after':>11}{'CPU-time before/after ms':>26}"
+    )
+    print(
+        "CPU attention per layer, torch path (bf16, "
+        f"{args.num_heads}q/{args.num_kv_heads}kv heads, d={args.head_size}, block {args.block_size})"
+    )
     print(header)
     for r in rows:
         cpu = f"{r['before_cpu_ms']:.2f} / {r['after_cpu_ms']:.2f}" if r["before_cpu_ms"] else "-"
-        print(f"{r['case']:<28}{r['threads']:>8}{r['before_ms']:>11.2f}{r['after_ms']:>10.2f}"
-              f"{r['speedup']:>8.2f}x{r['after_kv_gb_per_s']:>7.1f}{r['max_abs_err_after']:>11.2e}{cpu:>26}")
+        print(
+            f"{r['case']:<28}{r['threads']:>8}{r['before_ms']:>11.2f}{r['after_ms']:>10.2f}"
+            f"{r['speedup']:>8.2f}x{r['after_kv_gb_per_s']:>7.1f}{r['max_abs_err_after']:>11.2e}{cpu:>26}"
+        )
     result = {
         "benchmark": "attention_cpu",
         "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__},

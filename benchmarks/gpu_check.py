@@ -32,12 +32,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # Datasheet HBM bandwidth (GB/s) by device-name fragment, when the driver does not report clock and bus.
-HBM_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
-                 "A100": 1555, "L40S": 864, "L4": 300, "A10": 600}
+HBM_PEAK_GBPS = {
+    "H200": 4800,
+    "H100 SXM": 3350,
+    "H100 PCIe": 2000,
+    "H100": 3350,
+    "A100-SXM4-80GB": 2039,
+    "A100": 1555,
+    "L40S": 864,
+    "L4": 300,
+    "A10": 600,
+}
 
 # Llama-3-8B-like attention: 32 query heads over 8 KV heads of 128, bf16, block size 16.
-DECODE_POINTS = [(1, 4096), (8, 2048), (32, 1024), (32, 4096), (64, 2048), (128, 1024), (128, 4096),
-                 (256, 2048)]
+DECODE_POINTS = [
+    (1, 4096),
+    (8, 2048),
+    (32, 1024),
+    (32, 4096),
+    (64, 2048),
+    (128, 1024),
+    (128, 4096),
+    (256, 2048),
+]
 
 
 def make_importable() -> Path:
@@ -70,8 +87,9 @@ def device_info(torch) -> dict:
     if not torch.cuda.is_available():
         return info
     props = torch.cuda.get_device_properties(0)
-    info.update(name=props.name, sms=props.multi_processor_count,
-                memory_gib=round(props.total_memory / 2**30, 1))
+    info.update(
+        name=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1)
+    )
     clock_khz = getattr(props, "memory_clock_rate", 0)
     bus_bits = getattr(props, "memory_bus_width", 0)
     if clock_khz and bus_bits:
@@ -100,8 +118,17 @@ def run_kernel_tests(out_dir: Path, device: str, timeout_s: int) -> dict:
         # one by one: pytest drops a file named beside its own directory.
         targets = [p for p in sorted(tests.glob("test_*.py")) if p.name != "test_triton_ops.py"]
         targets.append(tests / "triton_cases.py")
-    cmd = [sys.executable, "-m", "pytest", *map(str, targets), "-q", "-rfEs", "-p", "no:cacheprovider",
-           f"--junitxml={report}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *map(str, targets),
+        "-q",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+    ]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -117,8 +144,11 @@ def run_kernel_tests(out_dir: Path, device: str, timeout_s: int) -> dict:
         suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
         for key in ("tests", "failures", "errors", "skipped"):
             result[key] = int(suite.get(key, 0))
-        result["failed"] = [c.get("classname", "") + "::" + c.get("name", "") for c in suite.iter("testcase")
-                            if c.find("failure") is not None or c.find("error") is not None]
+        result["failed"] = [
+            c.get("classname", "") + "::" + c.get("name", "")
+            for c in suite.iter("testcase")
+            if c.find("failure") is not None or c.find("error") is not None
+        ]
     result["tail"] = output[-1500:] if rc else ""
     return result
 
@@ -147,8 +177,16 @@ def bench(torch, fn, device: str) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def decode_batch(torch, num_seqs: int, seq_len: int, num_kv_heads: int, head_size: int, block_size: int,
-                 device: str, seed: int = 0):
+def decode_batch(
+    torch,
+    num_seqs: int,
+    seq_len: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    device: str,
+    seed: int = 0,
+):
     """K/V caches holding ``num_seqs`` sequences of ``seq_len`` tokens in shuffled blocks, and the
     metadata of one decode step over them."""
     from kvpilot.kernels import AttentionMetadata
@@ -177,16 +215,19 @@ def decode_batch(torch, num_seqs: int, seq_len: int, num_kv_heads: int, head_siz
     return k_cache, v_cache, meta
 
 
-def _time_point(torch, backends: dict, num_seqs: int, seq_len: int, device: str, peak_gbps,
-                copy_gbps) -> dict:
+def _time_point(
+    torch, backends: dict, num_seqs: int, seq_len: int, device: str, peak_gbps, copy_gbps
+) -> dict:
     num_heads, num_kv_heads, head_size, block_size = 32, 8, 128, 16
-    k_cache, v_cache, meta = decode_batch(torch, num_seqs, seq_len, num_kv_heads, head_size, block_size,
-                                          device)
+    k_cache, v_cache, meta = decode_batch(
+        torch, num_seqs, seq_len, num_kv_heads, head_size, block_size, device
+    )
     query = torch.randn(num_seqs, num_heads, head_size, device=device, dtype=torch.bfloat16)
     kv_bytes = 2 * num_seqs * seq_len * num_kv_heads * head_size * k_cache.element_size()
     row = {"num_seqs": num_seqs, "seq_len": seq_len, "kv_mib": round(kv_bytes / 2**20, 1)}
     reference = None
     for label, (backend, kwargs) in backends.items():
+
         def step(backend=backend, kwargs=kwargs):
             return backend.paged_attention(query, k_cache, v_cache, meta, head_size**-0.5, **kwargs)
 
@@ -238,19 +279,24 @@ def vllm_placeholder() -> dict:
 
 def print_table(result: dict) -> None:
     info = result["device"]
-    print(f"\ndevice: {info.get('name', 'cpu')}  torch {info['torch']}  triton {info.get('triton')}  "
-          f"HBM peak {info.get('hbm_peak_gbps')} GB/s ({info.get('hbm_peak_source', '-')}); "
-          f"measured copy {result['copy_gbps']:.0f} GB/s")
+    print(
+        f"\ndevice: {info.get('name', 'cpu')}  torch {info['torch']}  triton {info.get('triton')}  "
+        f"HBM peak {info.get('hbm_peak_gbps')} GB/s ({info.get('hbm_peak_source', '-')}); "
+        f"measured copy {result['copy_gbps']:.0f} GB/s"
+    )
     tests = result.get("kernel_tests")
     if tests:
-        print(f"kernel tests: rc {tests['rc']}, {tests.get('tests', '?')} tests, "
-              f"{tests.get('failures', '?')} failures, {tests.get('errors', '?')} errors, "
-              f"{tests.get('skipped', '?')} skipped, {tests['seconds']} s")
+        print(
+            f"kernel tests: rc {tests['rc']}, {tests.get('tests', '?')} tests, "
+            f"{tests.get('failures', '?')} failures, {tests.get('errors', '?')} errors, "
+            f"{tests.get('skipped', '?')} skipped, {tests['seconds']} s"
+        )
         for name in tests.get("failed", [])[:20]:
             print(f"  FAILED {name}")
     labels = [k[: -len("_us")] for k in result["decode"][0] if k.endswith("_us")] if result["decode"] else []
     header = f"{'seqs':>5} {'len':>6} {'KV MiB':>8}" + "".join(
-        f" {label + ' us':>18} {'GB/s':>7} {'%peak':>6}" for label in labels)
+        f" {label + ' us':>18} {'GB/s':>7} {'%peak':>6}" for label in labels
+    )
     print("\ndecode attention (bf16, 32q/8kv heads, d=128, block 16)")
     print(header)
     for row in result["decode"]:
@@ -265,8 +311,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT")
-                        else REPO / "benchmarks" / "results" / "gpu_check")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ["OUT"])
+        if os.environ.get("OUT")
+        else REPO / "benchmarks" / "results" / "gpu_check",
+    )
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--test-timeout", type=int, default=330, help="seconds for the kernel test run")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every section on CPU at tiny sizes")
@@ -286,8 +337,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("bandwidth ...", flush=True)
     result["copy_gbps"] = round(copy_bandwidth_gbps(torch, device), 1)
     points = DECODE_POINTS if device == "cuda" else [(2, 64), (4, 128)]
-    result["decode"] = decode_bandwidth(torch, device, points, result["device"].get("hbm_peak_gbps"),
-                                        result["copy_gbps"])
+    result["decode"] = decode_bandwidth(
+        torch, device, points, result["device"].get("hbm_peak_gbps"), result["copy_gbps"]
+    )
     result["engine_throughput"] = engine_throughput_placeholder()
     result["vllm"] = vllm_placeholder()
     result["seconds"] = round(time.perf_counter() - t0, 1)

@@ -154,8 +154,9 @@ def _step_plan(metadata: AttentionMetadata, k_cache: torch.Tensor) -> _StepPlan:
         bytes_per_block = k_cache[0].numel() * k_cache.element_size()
         chunks = _plan_decodes(metadata, block_size, bytes_per_block)
         prefills = _plan_prefills(metadata, block_size)
-        max_blocks = max([c.block_ids.numel() for c in chunks] + [p.block_ids.numel() for p in prefills],
-                         default=0)
+        max_blocks = max(
+            [c.block_ids.numel() for c in chunks] + [p.block_ids.numel() for p in prefills], default=0
+        )
         shape = (max_blocks, block_size, num_kv_heads, head_size)
         plan = _StepPlan(
             chunks,
@@ -225,7 +226,9 @@ def _stacked_view(caches: list[torch.Tensor]) -> torch.Tensor | None:
     first = caches[0]
     same = all(
         c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and c.dtype == first.dtype and c.shape == first.shape and c.stride() == first.stride()
+        and c.dtype == first.dtype
+        and c.shape == first.shape
+        and c.stride() == first.stride()
         for c in caches
     )
     if not same or len(caches) < 2:

@@ -153,8 +153,12 @@ def _paged_attention_kernel(
         block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = (key_pos % BLOCK_SIZE).to(tl.int64)
 
-        k_offs = (block[None, :] * stride_k_b + slot[None, :] * stride_k_s + kv_head64 * stride_k_h
-                  + offs_d[:, None] * stride_k_d)
+        k_offs = (
+            block[None, :] * stride_k_b
+            + slot[None, :] * stride_k_s
+            + kv_head64 * stride_k_h
+            + offs_d[:, None] * stride_k_d
+        )
         k = tl.load(k_cache_ptr + k_offs, mask=d_valid[:, None] & key_valid[None, :], other=0.0)  # [D, N]
         if DOT_FP32:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
@@ -172,8 +176,12 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
 
-        v_offs = (block[:, None] * stride_v_b + slot[:, None] * stride_v_s + kv_head64 * stride_v_h
-                  + offs_d[None, :] * stride_v_d)
+        v_offs = (
+            block[:, None] * stride_v_b
+            + slot[:, None] * stride_v_s
+            + kv_head64 * stride_v_h
+            + offs_d[None, :] * stride_v_d
+        )
         v = tl.load(v_cache_ptr + v_offs, mask=key_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
         if DOT_FP32:
             acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -223,8 +231,11 @@ def _merge_segments_kernel(
     total = tl.sum(seg_sum * weight, axis=0)
     acc = tl.load(seg_out_ptr + seg_row[:, None] * HEAD_SIZE_PAD + offs_d[None, :])
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+    tl.store(
+        out_ptr + token * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_SIZE,
+    )
 
 
 @functools.cache
@@ -286,27 +297,54 @@ def paged_attention(
     dot_fp32 = query.dtype == torch.float32 or (query.device.type == "cpu" and query.dtype == torch.bfloat16)
 
     if num_kv_splits > 1:
-        seg_out = torch.empty(num_tokens, num_heads, num_kv_splits, head_size_pad, dtype=torch.float32,
-                              device=query.device)
+        seg_out = torch.empty(
+            num_tokens, num_heads, num_kv_splits, head_size_pad, dtype=torch.float32, device=query.device
+        )
         seg_max = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
         seg_sum = torch.empty_like(seg_max)
     else:
         seg_out = seg_max = seg_sum = out  # unused by the kernel
     grid = (num_q_blocks, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
-        out, seg_out, seg_max, seg_sum,
-        query, k_cache, v_cache,
-        metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        scale * _LOG2E, metadata.num_reqs,
-        *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), metadata.block_tables.stride(0),
-        GROUP=group, HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_size_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SEGMENTS=num_kv_splits, DOT_FP32=dot_fp32,
+        out,
+        seg_out,
+        seg_max,
+        seg_sum,
+        query,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        scale * _LOG2E,
+        metadata.num_reqs,
+        *query.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        metadata.block_tables.stride(0),
+        GROUP=group,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PAD=head_size_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        NUM_SEGMENTS=num_kv_splits,
+        DOT_FP32=dot_fp32,
         num_warps=4,
     )
     if num_kv_splits > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
-            out, seg_out, seg_max, seg_sum, num_heads, *out.stride(),
-            HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_size_pad, NUM_SEGMENTS=num_kv_splits,
+            out,
+            seg_out,
+            seg_max,
+            seg_sum,
+            num_heads,
+            *out.stride(),
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PAD=head_size_pad,
+            NUM_SEGMENTS=num_kv_splits,
         )
     return out
 
@@ -348,12 +386,19 @@ def _write_kv_cache_kernel(
     offs_d = tl.arange(0, HEAD_SIZE_PAD)
     mask = (head[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_SIZE)
 
-    k = tl.load(key_ptr + token * stride_key_t + head[:, None] * stride_key_h
-                + offs_d[None, :] * stride_key_d, mask=mask)
+    k = tl.load(
+        key_ptr + token * stride_key_t + head[:, None] * stride_key_h + offs_d[None, :] * stride_key_d,
+        mask=mask,
+    )
     k_dst = k_cache_ptr + block * stride_k_b + offset * stride_k_s + head[:, None] * stride_k_h
     tl.store(k_dst + offs_d[None, :] * stride_k_d, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(value_ptr + token * stride_value_t + head[:, None] * stride_value_h
-                + offs_d[None, :] * stride_value_d, mask=mask)
+    v = tl.load(
+        value_ptr
+        + token * stride_value_t
+        + head[:, None] * stride_value_h
+        + offs_d[None, :] * stride_value_d,
+        mask=mask,
+    )
     v_dst = v_cache_ptr + block * stride_v_b + offset * stride_v_s + head[:, None] * stride_v_h
     tl.store(v_dst + offs_d[None, :] * stride_v_d, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -376,9 +421,19 @@ def write_kv_cache(
     heads_per_program = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_size_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
     _write_kv_cache_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping, num_kv_heads,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_PAD=head_size_pad,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_kv_heads,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        BLOCK_SIZE=block_size,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PAD=head_size_pad,
         HEADS_PER_PROGRAM=heads_per_program,
     )
 
@@ -413,8 +468,9 @@ def _copy_blocks_group(caches: list[torch.Tensor], block_mapping: torch.Tensor) 
     block_numel = first[0].numel()
     chunk = min(triton.next_power_of_2(block_numel), 4096)
     grid = (len(caches), block_mapping.shape[0], triton.cdiv(block_numel, chunk))
-    _copy_blocks_kernel[grid](flat, offsets, block_mapping, first.stride(0),
-                              BLOCK_NUMEL=block_numel, CHUNK=chunk)
+    _copy_blocks_kernel[grid](
+        flat, offsets, block_mapping, first.stride(0), BLOCK_NUMEL=block_numel, CHUNK=chunk
+    )
 
 
 def copy_blocks(

@@ -444,8 +444,11 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
         assert len(dsts) == len(set(dsts)), f"two copies into one block: {copies}"
         assert all(bm.ref_counts[d] > 0 for d in dsts), f"a copy into a free block: {copies}"
         # A copy only ever targets the partial block a request of this step is about to write into.
-        targets = {bm.block_tables[r.req_id][r.num_computed_tokens // bs]
-                   for r, _ in planned.values() if r.num_computed_tokens % bs}
+        targets = {
+            bm.block_tables[r.req_id][r.num_computed_tokens // bs]
+            for r, _ in planned.values()
+            if r.num_computed_tokens % bs
+        }
         assert set(dsts) <= targets, f"a stale copy: {copies}"
         moved = {(d * bs + o): kv.get(s * bs + o) for s, d in copies for o in range(bs)}
         for key, value in moved.items():

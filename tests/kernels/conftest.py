@@ -73,8 +73,15 @@ class PagedBatch:
         """The same step with an empty ``derived`` dict (as a new step would have)."""
         m = self.metadata
         return AttentionMetadata(
-            m.slot_mapping, m.query_start_loc, m.seq_lens, m.block_tables, m.max_query_len, m.max_seq_len,
-            m.num_decodes, m.query_start_loc_host, m.seq_lens_host,
+            m.slot_mapping,
+            m.query_start_loc,
+            m.seq_lens,
+            m.block_tables,
+            m.max_query_len,
+            m.max_seq_len,
+            m.num_decodes,
+            m.query_start_loc_host,
+            m.seq_lens_host,
         )
 
 
@@ -199,9 +206,13 @@ def pairwise(factors: dict[str, list]) -> list[dict]:
     candidates = list(itertools.product(*(range(len(factors[n])) for n in names)))
     rows = []
     while uncovered:
+
         def gain(combo):
-            return sum(((a, combo[a]), (b, combo[b])) in uncovered
-                       for a, b in itertools.combinations(range(len(names)), 2))
+            return sum(
+                ((a, combo[a]), (b, combo[b])) in uncovered
+                for a, b in itertools.combinations(range(len(names)), 2)
+            )
+
         best = max(candidates, key=gain)
         for a, b in itertools.combinations(range(len(names)), 2):
             uncovered.discard(((a, best[a]), (b, best[b])))
@@ -223,8 +234,10 @@ def load_triton_ops() -> ModuleType:
     if DEVICE == "cpu":
         pytest.importorskip("numpy")  # the interpreter needs it
         if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.fail("on CPU the Triton kernels run only with TRITON_INTERPRET=1 set before triton is "
-                        "imported: run tests/kernels/test_triton_ops.py, which starts this suite so")
+            pytest.fail(
+                "on CPU the Triton kernels run only with TRITON_INTERPRET=1 set before triton is "
+                "imported: run tests/kernels/test_triton_ops.py, which starts this suite so"
+            )
     from kvpilot.kernels import triton_ops
 
     return triton_ops

@@ -43,8 +43,14 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_llama, tmp_path):
         require_modules("numpy")
         env["TRITON_INTERPRET"] = "1"
     # Run outside the repository so that its top-level ``operator/`` folder cannot shadow the stdlib.
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama), DEVICE], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_llama), DEVICE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["triton"] == result["torch"]

@@ -32,8 +32,9 @@ def test_paged_attention_matches_dense_reference(kind, heads, dtype):
     i = list(HEADS).index(heads) + 3 * list(DTYPES).index(dtype)
     head_size, block_size = HEAD_SIZES[i % 5], [8, 16, 32][i % 3]
     num_heads, num_kv_heads = HEADS[heads]
-    batch = make_paged_batch(batch_spans(kind, block_size), num_heads, num_kv_heads, head_size, block_size,
-                             DTYPES[dtype], seed=i)
+    batch = make_paged_batch(
+        batch_spans(kind, block_size), num_heads, num_kv_heads, head_size, block_size, DTYPES[dtype], seed=i
+    )
     out = torch_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, batch.scale)
     assert out.dtype == batch.query.dtype and out.shape == batch.query.shape
     assert_close(out, naive_attention(batch), DTYPES[dtype], f"{kind} {heads} d={head_size} bs={block_size}")

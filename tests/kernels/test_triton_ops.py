@@ -33,10 +33,25 @@ def test_triton_kernels_match_torch_reference(tmp_path):
     children = []
     for i in range(num_shards):
         report = tmp_path / f"shard{i}.xml"
-        cmd = [sys.executable, "-m", "pytest", str(SUITE), "-q", "-rfE", "-p", "no:cacheprovider",
-               f"--junitxml={report}"]
-        child = subprocess.Popen(cmd, cwd=ROOT, env=dict(env, KVPILOT_TEST_SHARD=f"{i}/{num_shards}"),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(SUITE),
+            "-q",
+            "-rfE",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+        ]
+        child = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=dict(env, KVPILOT_TEST_SHARD=f"{i}/{num_shards}"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         children.append((child, report))
     outputs, passed, failures, skipped = [], 0, [], []
     for child, report in children:

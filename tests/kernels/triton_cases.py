@@ -30,14 +30,16 @@ from .conftest import (
 
 HEADS = {"mha": (4, 4), "gqa3": (12, 4), "gqa4": (8, 2), "gqa8": (16, 2), "mqa": (6, 1)}
 
-ATTENTION_CASES = pairwise({
-    "head_size": [64, 80, 96, 128, 256],
-    "dtype": list(DTYPES),
-    "heads": list(HEADS),
-    "block_size": [8, 16, 32],
-    # Split-KV (flash-decoding) is what the heuristic picks for decode-only batches on a GPU.
-    "kind": ["decode", "decode/split4", "prefill", "mixed"],
-})
+ATTENTION_CASES = pairwise(
+    {
+        "head_size": [64, 80, 96, 128, 256],
+        "dtype": list(DTYPES),
+        "heads": list(HEADS),
+        "block_size": [8, 16, 32],
+        # Split-KV (flash-decoding) is what the heuristic picks for decode-only batches on a GPU.
+        "kind": ["decode", "decode/split4", "prefill", "mixed"],
+    }
+)
 
 
 def _case_id(case: dict) -> str:
@@ -45,10 +47,12 @@ def _case_id(case: dict) -> str:
 
 
 def _run_both(triton_ops, batch, **kwargs):
-    out = triton_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.fresh_metadata(),
-                                     batch.scale, **kwargs)
-    ref = torch_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.fresh_metadata(),
-                                    batch.scale)
+    out = triton_ops.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.fresh_metadata(), batch.scale, **kwargs
+    )
+    ref = torch_ops.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.fresh_metadata(), batch.scale
+    )
     return out, ref
 
 
@@ -57,8 +61,15 @@ def test_paged_attention_matches_torch(triton_ops, case):
     dtype = DTYPES[case["dtype"]]
     num_heads, num_kv_heads = HEADS[case["heads"]]
     kind, _, splits = case["kind"].partition("/split")
-    batch = make_paged_batch(batch_spans(kind, case["block_size"]), num_heads, num_kv_heads,
-                             case["head_size"], case["block_size"], dtype, seed=ATTENTION_CASES.index(case))
+    batch = make_paged_batch(
+        batch_spans(kind, case["block_size"]),
+        num_heads,
+        num_kv_heads,
+        case["head_size"],
+        case["block_size"],
+        dtype,
+        seed=ATTENTION_CASES.index(case),
+    )
     out, ref = _run_both(triton_ops, batch, num_kv_splits=int(splits or 1))
     assert out.dtype == dtype and out.shape == batch.query.shape
     assert_close(out, ref, dtype, _case_id(case))
@@ -84,8 +95,16 @@ def test_offsets_past_int32(triton_ops):
     block_size, num_kv_heads, head_size = 16, 1, 64
     first = (1 << 31) // (block_size * num_kv_heads * head_size) + 5
     spans = [(40, 1), (0, 19), (17, 6)]
-    batch = make_paged_batch(spans, 4, num_kv_heads, head_size, block_size, torch.float16,
-                             first_block_id=first, num_blocks=first + 16)
+    batch = make_paged_batch(
+        spans,
+        4,
+        num_kv_heads,
+        head_size,
+        block_size,
+        torch.float16,
+        first_block_id=first,
+        num_blocks=first + 16,
+    )
     assert batch.k_cache.numel() > 2**31
     out, ref = _run_both(triton_ops, batch)
     assert_close(out, ref, torch.float16, "int64 offsets")
@@ -102,22 +121,35 @@ def test_offsets_past_int32(triton_ops):
 def test_rejects_bad_arguments(triton_ops):
     batch = make_paged_batch([(3, 1)], 4, 4, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="power of two"):
-        triton_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, 1.0,
-                                   num_kv_splits=3)
+        triton_ops.paged_attention(
+            batch.query, batch.k_cache, batch.v_cache, batch.metadata, 1.0, num_kv_splits=3
+        )
     with pytest.raises(ValueError, match="multiple"):
-        triton_ops.paged_attention(batch.query[:, :3], batch.k_cache[..., :2, :], batch.v_cache[..., :2, :],
-                                   batch.metadata, 1.0)
+        triton_ops.paged_attention(
+            batch.query[:, :3], batch.k_cache[..., :2, :], batch.v_cache[..., :2, :], batch.metadata, 1.0
+        )
 
 
 @pytest.mark.parametrize(
     "dtype,head_size,num_kv_heads,block_size",
-    [("float32", 64, 1, 8), ("float16", 80, 4, 16), ("bfloat16", 256, 2, 32), ("bfloat16", 96, 3, 16),
-     ("float16", 128, 8, 8)],
+    [
+        ("float32", 64, 1, 8),
+        ("float16", 80, 4, 16),
+        ("bfloat16", 256, 2, 32),
+        ("bfloat16", 96, 3, 16),
+        ("float16", 128, 8, 8),
+    ],
 )
 def test_write_kv_cache_matches_torch(triton_ops, dtype, head_size, num_kv_heads, block_size):
     """Strided key/value (views of a fused QKV tensor) into their slots; negative slots are skipped."""
-    batch = make_paged_batch([(0, 7), (block_size - 1, 3), (0, 1)], num_kv_heads, num_kv_heads, head_size,
-                             block_size, DTYPES[dtype])
+    batch = make_paged_batch(
+        [(0, 7), (block_size - 1, 3), (0, 1)],
+        num_kv_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        DTYPES[dtype],
+    )
     slots = batch.metadata.slot_mapping.clone()
     slots[[2, 8]] = -1  # padding tokens
     expected = [batch.k_cache.clone(), batch.v_cache.clone()]
