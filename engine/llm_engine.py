@@ -381,7 +381,10 @@ class LLMEngine:
         t1 = time.perf_counter()
         result = self.executor.execute(sched_out)
         t2 = time.perf_counter()
-        prev_token_time = {rid: self._seqs[rid].last_token_time for rid in result.req_ids}
+        # Only the stat loggers need the previous token times (inter-token latencies).
+        prev_token_time = (
+            {} if not self.stat_loggers else {rid: self._seqs[rid].last_token_time for rid in result.req_ids}
+        )
         sampled = dict(zip(result.req_ids, result.token_ids, strict=True))
         updates = self.scheduler.update_from_output(sched_out, sampled)
         self.num_steps += 1

@@ -9,11 +9,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvpilot.engine.async_engine import EngineDeadError, PromptInput, RequestStream
+from kvpilot.engine.async_engine import PromptInput, RequestStream
 from kvpilot.engine.server import protocol
-from kvpilot.engine.server.errors import SERVER_ERROR, bad_request, error_body
+from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.serving import (
-    SSE_DONE,
     ServerState,
     SSEResponse,
     check_context,
@@ -21,6 +20,7 @@ from kvpilot.engine.server.serving import (
     collect_final,
     completion_logprobs,
     delta_logprobs,
+    guarded_stream,
     new_id,
     sse_event,
     submit,
@@ -140,7 +140,7 @@ async def _stream(
             payload["usage"] = usage(num_prompt, sum(num_tokens)) if continuous else None
         return sse_event(payload)
 
-    try:
+    async def body() -> AsyncIterator[str]:
         if req.echo:
             for p, (text, ids) in enumerate(prompts):
                 for i in range(n):
@@ -183,23 +183,20 @@ async def _stream(
                             "stop_reason": comp.stop_reason if finish else None,
                         }
                     )
-        if include_usage:
-            yield sse_event(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage(num_prompt, sum(num_tokens)),
-                }
-            )
-        yield SSE_DONE
-    except EngineDeadError as exc:
-        yield sse_event(
-            error_body(f"the engine loop died while the request ran: {exc}", SERVER_ERROR, code="engine_dead")
+
+    def usage_chunk() -> str | None:
+        if not include_usage:
+            return None
+        return sse_event(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage(num_prompt, sum(num_tokens)),
+            }
         )
-        yield SSE_DONE
-    finally:
-        if not rs.finished:
-            state.engine.abort(rs.unfinished_ids)
+
+    async for event in guarded_stream(state, rs, body(), usage_chunk):
+        yield event

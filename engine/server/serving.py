@@ -27,7 +27,7 @@ from kvpilot.engine.async_engine import (
 )
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request
+from kvpilot.engine.server.errors import SERVER_ERROR, APIError, ClientDisconnected, bad_request, error_body
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -308,3 +308,29 @@ class SSEResponse(Response):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+
+
+async def guarded_stream(
+    state: ServerState,
+    rs: RequestStream,
+    body: AsyncIterator[str],
+    usage_chunk: Callable[[], str | None],
+) -> AsyncIterator[str]:
+    """Frame an SSE stream: ``body``'s events, then the usage chunk (when asked for) and ``[DONE]``; an
+    error event if the engine loop dies; and, however the stream ends (the client may leave), an abort
+    of the sequences still running so that their KV blocks are freed at once."""
+    try:
+        async for event in body:
+            yield event
+        final = usage_chunk()
+        if final is not None:
+            yield final
+        yield SSE_DONE
+    except EngineDeadError as exc:
+        yield sse_event(
+            error_body(f"the engine loop died while the request ran: {exc}", SERVER_ERROR, code="engine_dead")
+        )
+        yield SSE_DONE
+    finally:
+        if not rs.finished:
+            state.engine.abort(rs.unfinished_ids)
