@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvpilot.engine.errors import EngineDeadError, QueueFullError  # noqa: F401 (re-exported)
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -34,23 +35,6 @@ logger = logging.getLogger("kvpilot.engine.async")
 
 # A step that has not returned after this long counts as a hung engine (health turns 503).
 DEFAULT_STALL_TIMEOUT_S = 300.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step raised, or the engine was shut down)."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds ``max_waiting`` sequences already; retry after ``retry_after_s``."""
-
-    def __init__(self, num_waiting: int, max_waiting: int, retry_after_s: int) -> None:
-        super().__init__(
-            f"the server is overloaded: the waiting queue is full ({num_waiting} waiting, "
-            f"limit {max_waiting}); retry after {retry_after_s} s"
-        )
-        self.num_waiting = num_waiting
-        self.max_waiting = max_waiting
-        self.retry_after_s = retry_after_s
 
 
 @dataclass

@@ -10,14 +10,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.engine.errors import ConfigError  # noqa: F401 (re-exported)
+
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-
-class ConfigError(ValueError):
-    """An engine argument is invalid; the message names the argument and what is allowed."""
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:

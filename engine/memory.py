@@ -11,16 +11,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvpilot.engine.errors import KVCacheSizeError  # noqa: F401 (re-exported)
+
 GiB = 1 << 30
 
 
 def format_bytes(n: int) -> str:
     """``3.20 GiB`` / ``12.5 MiB``: GiB from 1 GiB up, MiB below."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
-
-
-class KVCacheSizeError(ValueError):
-    """The configured memory cannot hold the KV cache the configuration needs."""
 
 
 @dataclass

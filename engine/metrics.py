@@ -273,6 +273,7 @@ class PrometheusStatLogger:
             "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": cfg.num_key_value_heads,
             "num_hidden_layers": cfg.num_hidden_layers,
+            "intermediate_size": cfg.intermediate_size,
             "head_dim": cfg.head_dim,
             "tensor_parallel_size": args.tensor_parallel_size,
             "pipeline_parallel_size": args.pipeline_parallel_size,

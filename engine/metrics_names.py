@@ -48,9 +48,9 @@ ITERATION_TOKENS_TOTAL = "vllm:iteration_tokens_total"  # a histogram despite th
 # ---------------------------------------------------------------------------------------------- info
 # Value 1; the configuration is in the labels (CACHE_CONFIG_LABELS / MODEL_CONFIG_LABELS).
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
-# Not a vLLM metric: the model's shape, so the operator can pick valid parallel sizes
-# (tensor_parallel_size must divide num_attention_heads, and divide num_key_value_heads or be a multiple
-# of it; see kvpilot.engine.parallel.layout.allowed_tensor_parallel_sizes).
+# Not a vLLM metric: the model's shape, so the operator can pick valid parallel sizes with the engine's
+# own rule (kvpilot.engine.parallel.layout.allowed_tensor_parallel_sizes: heads, KV heads and the
+# intermediate size).
 MODEL_CONFIG_INFO = "kvpilot:model_config_info"
 
 CACHE_CONFIG_LABELS = (
@@ -69,6 +69,7 @@ MODEL_CONFIG_LABELS = (
     "num_attention_heads",
     "num_key_value_heads",
     "num_hidden_layers",
+    "intermediate_size",
     "head_dim",
     "tensor_parallel_size",
     "pipeline_parallel_size",

@@ -12,22 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.models.llama import LlamaForCausalLM
+from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.sampler import Sampler, SamplingRow
 from kvpilot.engine.scheduler import SchedulerOutput
 from kvpilot.kernels import AttentionBackend, AttentionMetadata
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Tokens sampled this step, aligned lists over the requests that sampled."""
-
-    req_ids: list[str]
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-    # Wall time of the phases (seconds). On CUDA the forward is asynchronous: its time lands in sample_s.
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
 
 
 @dataclass

@@ -47,3 +47,17 @@ class RequestOutput:
     # Streaming: the text / token ids added since the previous output for each completion.
     delta_text: list[str] = field(default_factory=list)
     delta_token_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns for one step (torch-free, picklable): the tokens sampled, as aligned
+    lists over the requests that sampled, with their logprobs (None where none were asked for)."""
+
+    req_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+    # Wall time of the phases (seconds). On CUDA the forward is asynchronous: its time lands in sample_s.
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names it."""
+from kvpilot.engine.errors import SamplingParamsError  # noqa: F401 (re-exported)
 
 
 @dataclass

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.engine.errors import UnsupportedModelError  # noqa: F401 (re-exported)
+
 # Architectures this engine implements, and what distinguishes them from plain Llama.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {},
@@ -15,10 +17,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": {"qk_norm": True},
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint uses an architecture or feature this engine does not implement."""
 
 
 @dataclass

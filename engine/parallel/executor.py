@@ -13,19 +13,17 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.errors import WorkerDiedError  # noqa: F401 (re-exported)
 from kvpilot.engine.memory import GiB, KVPoolPlan
-from kvpilot.engine.model_runner import ModelRunner, ModelRunnerOutput
+from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import load_model
+from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.parallel.layout import ParallelLayout
 from kvpilot.engine.parallel.runner import plan_rank_kv_pool
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler import SchedulerOutput
 from kvpilot.kernels import AttentionBackend
-
-
-class WorkerDiedError(RuntimeError):
-    """A parallel worker died or failed: the engine cannot continue and must be restarted."""
 
 
 @dataclass(frozen=True)

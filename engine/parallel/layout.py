@@ -20,14 +20,17 @@ from kvpilot.engine.config import ConfigError
 from kvpilot.engine.models.config import ModelConfig
 
 
-def allowed_tensor_parallel_sizes(cfg: ModelConfig) -> list[int]:
-    """Sizes that split this model evenly: they divide the attention heads and the intermediate size,
-    and divide the KV heads or are a multiple of them (KV heads are then replicated)."""
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+def allowed_tensor_parallel_sizes(
+    num_attention_heads: int, num_key_value_heads: int, intermediate_size: int
+) -> list[int]:
+    """The one rule for tensor-parallel sizes, shared by the engine and the operator (torch-free): the
+    sizes that split a model evenly divide the attention heads and the intermediate size, and divide the
+    KV heads or are a multiple of them (KV heads are then replicated). Ascending, 1 first."""
+    heads, kv_heads = num_attention_heads, num_key_value_heads
     return [
         t
         for t in range(1, heads + 1)
-        if heads % t == 0 and cfg.intermediate_size % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)
+        if heads % t == 0 and intermediate_size % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)
     ]
 
 
@@ -44,7 +47,9 @@ def validate_parallel_sizes(
     when there are fewer visible devices than ranks.
     """
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    allowed = allowed_tensor_parallel_sizes(cfg)
+    allowed = allowed_tensor_parallel_sizes(
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    )
     if tp not in allowed:
         raise ConfigError(
             f"tensor_parallel_size {tp} does not split this model ({cfg.num_attention_heads} attention "

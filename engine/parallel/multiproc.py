@@ -37,7 +37,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvpilot.engine.memory import format_bytes
-from kvpilot.engine.model_runner import ModelRunnerOutput
+from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.parallel.comm import CommSpec, collective_timeout_s, serve_store
 from kvpilot.engine.parallel.executor import Executor, ExecutorSpec, WorkerDiedError
 from kvpilot.engine.parallel.rank import Rank, RankReport, RankSpec

@@ -28,8 +28,9 @@ import torch
 
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.memory import KVPoolPlan, cpu_activation_estimate, plan_kv_pool, total_system_memory
-from kvpilot.engine.model_runner import KVCache, ModelRunner, ModelRunnerOutput
+from kvpilot.engine.model_runner import KVCache, ModelRunner
 from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.sampler import SamplingRow
 from kvpilot.engine.scheduler import ScheduledRequest, SchedulerOutput
 
