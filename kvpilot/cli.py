@@ -13,7 +13,7 @@ SUBCOMMANDS = {
     "operator": "kvpilot.operator.cli",
     "render": "kvpilot.operator.cli",
     "replay": "kvpilot.operator.cli",
-    "up": "kvpilot.operator.local",
+    "up": "kvpilot.operator.local.platform",
 }
 
 

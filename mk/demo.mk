@@ -16,4 +16,4 @@ $(DEMO_STAMP): $(STAMP)
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m kvpilot.operator.demo --out $(DEMO_DIR) $(if $(MODEL),--model $(MODEL))
+	OMP_NUM_THREADS=1 $(PY) -m kvpilot.operator.demo.run --out $(DEMO_DIR) $(if $(MODEL),--model $(MODEL))

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kvpilot.operator import names
+from kvpilot.operator.api import names
 
 _GLOB_CHARS = set("*?[]!")
 
@@ -158,9 +158,9 @@ def _load_documents(filename: str) -> list[Any]:
 
 def render_documents(documents: list[Any], namespace: str | None = None) -> tuple[list[dict], list[str]]:
     """(children of every valid InferenceService, error lines) for parsed YAML documents."""
-    from kvpilot.operator.builders import build_children
-    from kvpilot.operator.effective import resolve_effective
-    from kvpilot.operator.validation import validate
+    from kvpilot.operator.render.builders import build_children
+    from kvpilot.operator.api.effective import resolve_effective
+    from kvpilot.operator.api.validation import validate
 
     children: list[dict] = []
     errors: list[str] = []
@@ -205,7 +205,7 @@ def run_replay(args: argparse.Namespace) -> int:
     """``kvpilot replay -f ISVC --metrics SAMPLES``: 0 and the decisions on stdout, or 1 and why not."""
     import json
 
-    from kvpilot.operator.replay import ReplayError, format_table, read_records, replay, summary
+    from kvpilot.operator.remediation.replay import ReplayError, format_table, read_records, replay, summary
 
     try:
         documents = [d for d in _load_documents(args.filename) if isinstance(d, dict)]

@@ -28,12 +28,12 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import names
-from kvpilot.operator.autotuner import Autotuner, AutotunerOptions
-from kvpilot.operator.builders import build_event
+from kvpilot.operator.api import names
+from kvpilot.operator.remediation.loop import Autotuner, AutotunerOptions
+from kvpilot.operator.render.builders import build_event
 from kvpilot.operator.kube import ApiError, KubeClient, object_path
-from kvpilot.operator.reconcile import Outcome, reconcile
-from kvpilot.operator.status import rfc3339
+from kvpilot.operator.reconcile.reconciler import Outcome, reconcile
+from kvpilot.operator.reconcile.status import rfc3339
 
 ISVC = (names.GROUP, names.VERSION, names.PLURAL)
 

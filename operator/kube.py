@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from kvpilot.operator import names
+from kvpilot.operator.api import names
 
 # kind -> plural for the kinds the operator reads or writes.
 PLURALS = {

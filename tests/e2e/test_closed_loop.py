@@ -30,9 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import metrics_names as m
 from kvpilot.engine.config import to_cli_args
-from kvpilot.operator import names
-from kvpilot.operator.policy import parse_time
-from kvpilot.operator.spec import engine_snake_args
+from kvpilot.operator.api import names
+from kvpilot.operator.remediation.policy import parse_time
+from kvpilot.operator.api.spec import engine_snake_args
 from tests.operator.conftest import CRD_PATH, OperatorProcess, wait_for
 from tests.operator.kmock_apiserver import ApiServerThread
 
@@ -325,7 +325,7 @@ def test_remediation_ends_a_preemption_storm_on_a_real_engine(workspace, tiny_ll
     loop_s = time.monotonic() - storm_started
 
     # The operator's own recording replays to the same decision.
-    from kvpilot.operator.replay import read_records, replay
+    from kvpilot.operator.remediation.replay import read_records, replay
 
     records = read_records(record.read_text().splitlines(), isvc)
     applied = [d for _, d, _ in replay(isvc, records) if d.action == "apply"]

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import yaml
 
-from kvpilot.operator import names
-from kvpilot.operator.local import LocalPlatform
+from kvpilot.operator.api import names
+from kvpilot.operator.local.platform import LocalPlatform
 
 MODEL_NAME = "tiny"
 

@@ -8,8 +8,8 @@ import kubernetes_validate
 import pytest
 
 from kvpilot.engine.config import EngineArgs, engine_arg_fields, flag_name
-from kvpilot.operator import names
-from kvpilot.operator.builders import (
+from kvpilot.operator.api import names
+from kvpilot.operator.render.builders import (
     build_children,
     build_deployment,
     build_pdb,
@@ -17,9 +17,9 @@ from kvpilot.operator.builders import (
     content_hash,
     selector_string,
 )
-from kvpilot.operator.effective import resolve_effective
-from kvpilot.operator.podspec import gpu_count
-from kvpilot.operator.spec import apply_defaults
+from kvpilot.operator.api.effective import resolve_effective
+from kvpilot.operator.render.podspec import gpu_count
+from kvpilot.operator.api.spec import apply_defaults
 from tests.operator.conftest import K8S_VERSION
 
 
@@ -162,7 +162,7 @@ def test_every_engine_key_renders_a_flag_the_engine_parses(make_isvc):
     }
     _, container = engine_container(make_isvc(engine=engine))
     parsed = vars(serve_parser().parse_args(container["args"]))
-    from kvpilot.operator.spec import ENGINE_KEYS
+    from kvpilot.operator.api.spec import ENGINE_KEYS
 
     assert set(engine) == set(ENGINE_KEYS), "extend this table when the engine gains an argument"
     assert {key: parsed[ENGINE_KEYS[key].name] for key in engine} == engine

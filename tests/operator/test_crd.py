@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from kvpilot.engine import config as engine_config
-from kvpilot.operator import names
-from kvpilot.operator.effective import LEVERS, resolve_effective
-from kvpilot.operator.spec import DEFAULTS, ENGINE_KEYS, NOT_PER_POD, apply_defaults
-from kvpilot.operator.status import OWNED_EFFECTIVE_KEYS, desired_status
+from kvpilot.operator.api import names
+from kvpilot.operator.api.effective import LEVERS, resolve_effective
+from kvpilot.operator.api.spec import DEFAULTS, ENGINE_KEYS, NOT_PER_POD, apply_defaults
+from kvpilot.operator.reconcile.status import OWNED_EFFECTIVE_KEYS, desired_status
 from tests.operator.conftest import CHART, CRD_PATH
 from tests.operator.crd_schema import apply_schema_defaults, schema_errors
 

@@ -7,9 +7,9 @@ from decimal import Decimal
 
 import pytest
 
-from kvpilot.operator.effective import resolve_effective
-from kvpilot.operator.spec import ModelSourceError, parse_duration, parse_model_source, parse_quantity
-from kvpilot.operator.status import desired_status, merge_conditions, rollout_state, status_patch
+from kvpilot.operator.api.effective import resolve_effective
+from kvpilot.operator.api.spec import ModelSourceError, parse_duration, parse_model_source, parse_quantity
+from kvpilot.operator.reconcile.status import desired_status, merge_conditions, rollout_state, status_patch
 
 NOW = datetime.datetime(2025, 3, 1, 12, 0, 0, tzinfo=datetime.UTC)
 LATER = NOW + datetime.timedelta(minutes=5)

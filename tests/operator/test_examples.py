@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpilot.operator.validation import validate
+from kvpilot.operator.api.validation import validate
 from tests.operator.conftest import EXAMPLE
 from tests.operator.crd_schema import schema_errors
 

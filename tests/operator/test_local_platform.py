@@ -16,7 +16,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import metrics_names as m
-from kvpilot.operator import names
+from kvpilot.operator.api import names
 from kvpilot.operator.kube import object_path
 from tests.operator.conftest import wait_for
 from tests.operator.local_support import (

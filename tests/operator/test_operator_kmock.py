@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
-from kvpilot.operator import names
+from kvpilot.operator.api import names
 from tests.operator.conftest import BASE_ISVC, CHART, find_tool, wait_for
 
 NS = "team-a"

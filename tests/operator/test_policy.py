@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import policy
-from kvpilot.operator.effective import resolve_effective
-from kvpilot.operator.policy import Change, decide
-from kvpilot.operator.window import (
+from kvpilot.operator.remediation import policy
+from kvpilot.operator.api.effective import resolve_effective
+from kvpilot.operator.remediation.policy import Change, decide
+from kvpilot.operator.remediation.window import (
     Capacity,
     Half,
     MetricWindow,

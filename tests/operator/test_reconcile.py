@@ -10,9 +10,9 @@ import kmock
 import kopf
 import pytest
 
-from kvpilot.operator import names
+from kvpilot.operator.api import names
 from kvpilot.operator.kube import ApiError, KubeClient, object_path
-from kvpilot.operator.reconcile import reconcile
+from kvpilot.operator.reconcile.reconciler import reconcile
 from tests.operator.conftest import BASE_ISVC
 
 NS = "direct"

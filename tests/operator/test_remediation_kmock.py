@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvpilot.operator import names
+from kvpilot.operator.api import names
 from tests.operator.conftest import BASE_ISVC, wait_for
 from tests.operator.engine_metrics import EngineMetrics, ScriptedEngine
 

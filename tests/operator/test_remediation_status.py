@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from kvpilot.operator import names
-from kvpilot.operator.effective import resolve_effective
-from kvpilot.operator.pods import UNSCHEDULABLE_GRACE_S, classify, metrics_url, pod_failure
-from kvpilot.operator.policy import format_time
-from kvpilot.operator.remediation import SIGNALS_REFRESH_S, evaluate, merge_patch
-from kvpilot.operator.window import MetricWindow
+from kvpilot.operator.api import names
+from kvpilot.operator.api.effective import resolve_effective
+from kvpilot.operator.remediation.pods import UNSCHEDULABLE_GRACE_S, classify, metrics_url, pod_failure
+from kvpilot.operator.remediation.policy import format_time
+from kvpilot.operator.remediation.evaluate import SIGNALS_REFRESH_S, evaluate, merge_patch
+from kvpilot.operator.remediation.window import MetricWindow
 from tests.operator.crd_schema import schema_errors
 from tests.operator.test_policy import DEMAND, IDLE, NOW, STORM, isvc, window
 

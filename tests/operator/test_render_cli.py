@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kvpilot.cli import main
-from kvpilot.operator.builders import build_children
-from kvpilot.operator.effective import resolve_effective
+from kvpilot.operator.render.builders import build_children
+from kvpilot.operator.api.effective import resolve_effective
 from tests.operator.conftest import EXAMPLE, K8S_VERSION, REPO
 
 KVPILOT = Path(sys.executable).parent / "kvpilot"

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from kvpilot.cli import main
-from kvpilot.operator.pods import Target
-from kvpilot.operator.policy import parse_time
-from kvpilot.operator.replay import read_records, replay
-from kvpilot.operator.scrape import Recorder, Result
+from kvpilot.operator.remediation.pods import Target
+from kvpilot.operator.remediation.policy import parse_time
+from kvpilot.operator.remediation.replay import read_records, replay
+from kvpilot.operator.remediation.scrape import Recorder, Result
 from tests.operator.engine_metrics import EngineMetrics
 from tests.operator.test_policy import ISVC
 

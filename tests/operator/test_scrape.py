@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvpilot.operator.pods import Target
-from kvpilot.operator.scrape import Scraper
+from kvpilot.operator.remediation.pods import Target
+from kvpilot.operator.remediation.scrape import Scraper
 from tests.operator.engine_metrics import EngineMetrics
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.engine import metrics_names as m
-from kvpilot.operator.window import MetricsParseError, PodSeries, parse_scrape, summarize
+from kvpilot.operator.remediation.window import MetricsParseError, PodSeries, parse_scrape, summarize
 from tests.operator.engine_metrics import EngineMetrics
 
 T0 = 1_700_000_000.0

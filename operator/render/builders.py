@@ -13,10 +13,10 @@ import hashlib
 import json
 from typing import Any
 
-from kvpilot.operator import names
-from kvpilot.operator.effective import Effective
-from kvpilot.operator.podspec import build_pod_spec
-from kvpilot.operator.spec import apply_defaults
+from kvpilot.operator.api import names
+from kvpilot.operator.api.effective import Effective
+from kvpilot.operator.render.podspec import build_pod_spec
+from kvpilot.operator.api.spec import apply_defaults
 
 # A rollout stalls for real only after the startup probe's whole budget has passed.
 PROGRESS_DEADLINE_MARGIN_S = 600

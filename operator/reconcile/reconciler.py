@@ -13,12 +13,12 @@ import datetime
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvpilot.operator import names
-from kvpilot.operator.builders import build_children, build_service_monitor, selector_string
-from kvpilot.operator.effective import resolve_effective
+from kvpilot.operator.api import names
+from kvpilot.operator.render.builders import build_children, build_service_monitor, selector_string
+from kvpilot.operator.api.effective import resolve_effective
 from kvpilot.operator.kube import ApiError, KubeClient, object_path, path_of
-from kvpilot.operator.status import blocked_message, desired_status, spec_invalid_message, status_patch
-from kvpilot.operator.validation import validate
+from kvpilot.operator.reconcile.status import blocked_message, desired_status, spec_invalid_message, status_patch
+from kvpilot.operator.api.validation import validate
 
 # (type, reason, message) -> posts a Kubernetes Event about the InferenceService.
 EmitFn = Callable[[str, str, str], Awaitable[None] | None]

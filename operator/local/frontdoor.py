@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpilot.operator import names
+from kvpilot.operator.api import names
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those this proxy recomputes.
 HOP_BY_HOP = frozenset(

@@ -16,8 +16,8 @@ from typing import IO, Any
 
 import aiohttp
 
-from kvpilot.operator import names
-from kvpilot.operator.pods import Target
+from kvpilot.operator.api import names
+from kvpilot.operator.remediation.pods import Target
 
 MAX_BYTES = 8 << 20  # an engine's /metrics is ~20 KiB; anything near this is not an engine
 

@@ -31,9 +31,9 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvpilot.operator.effective import Effective
-from kvpilot.operator.spec import ENGINE_KEYS, apply_defaults, parse_duration
-from kvpilot.operator.window import MetricWindow
+from kvpilot.operator.api.effective import Effective
+from kvpilot.operator.api.spec import ENGINE_KEYS, apply_defaults, parse_duration
+from kvpilot.operator.remediation.window import MetricWindow
 
 AUTO, RECOMMEND, OFF = "Auto", "Recommend", "Off"
 NONE, APPLY, RECOMMEND_ACTION = "none", "apply", "recommend"

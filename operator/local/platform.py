@@ -33,16 +33,16 @@ from typing import Any
 
 import yaml
 
-from kvpilot.operator import names
-from kvpilot.operator.autotuner import Autotuner, AutotunerOptions
+from kvpilot.operator.api import names
+from kvpilot.operator.remediation.loop import Autotuner, AutotunerOptions
 from kvpilot.operator.kube import object_path
-from kvpilot.operator.local_api import LocalApi
-from kvpilot.operator.local_frontdoor import STATUS_PATH, FrontDoor
-from kvpilot.operator.local_replicas import LocalKubelet
-from kvpilot.operator.pods import is_ready, metrics_url
-from kvpilot.operator.reconcile import reconcile
-from kvpilot.operator.spec import ModelSourceError, parse_model_source
-from kvpilot.operator.validation import validate
+from kvpilot.operator.local.api import LocalApi
+from kvpilot.operator.local.frontdoor import STATUS_PATH, FrontDoor
+from kvpilot.operator.local.replicas import LocalKubelet
+from kvpilot.operator.remediation.pods import is_ready, metrics_url
+from kvpilot.operator.reconcile.reconciler import reconcile
+from kvpilot.operator.api.spec import ModelSourceError, parse_model_source
+from kvpilot.operator.api.validation import validate
 
 LOG = logging.getLogger("kvpilot.local")
 MANIFEST_POLL_S = 2.0

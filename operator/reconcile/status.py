@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from kvpilot.operator.effective import REPORTED_ENGINE_KEYS, Effective
+from kvpilot.operator.api.effective import REPORTED_ENGINE_KEYS, Effective
 
 OWNED_CONDITIONS = ("Ready", "Progressing", "SpecValid")
 OWNED_EFFECTIVE_KEYS = (*REPORTED_ENGINE_KEYS, "replicas", "basedOnGeneration")

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpilot.operator import names
-from kvpilot.operator.spec import parse_quantity
+from kvpilot.operator.api import names
+from kvpilot.operator.api.spec import parse_quantity
 
 LOCAL_HOST = "127.0.0.1"
 

@@ -14,9 +14,9 @@ import re
 from typing import Any
 
 from kvpilot.engine.config import ConfigError, EngineArgs, crd_key
-from kvpilot.operator import names
-from kvpilot.operator.effective import resolve_effective
-from kvpilot.operator.spec import (
+from kvpilot.operator.api import names
+from kvpilot.operator.api.effective import resolve_effective
+from kvpilot.operator.api.spec import (
     ENGINE_KEYS,
     ModelSourceError,
     apply_defaults,

@@ -2,7 +2,7 @@
 
 It does for one machine what a cluster's Deployment controller, ReplicaSet controller and kubelet do
 for the engine Deployment the operator renders (``builders.build_deployment``), reading it from the
-:class:`~kvpilot.operator.local_api.LocalApi` and writing back what they would::
+:class:`~kvpilot.operator.local.api.LocalApi` and writing back what they would::
 
     Deployment (rendered by reconcile)          processes                    back into the store
     spec.replicas, template-hash label  ──►  start / stop, rolling      ──►  Pods (labels, port, Ready,
@@ -34,9 +34,9 @@ from typing import Any
 
 import aiohttp
 
-from kvpilot.operator import names
+from kvpilot.operator.api import names
 from kvpilot.operator.kube import object_path
-from kvpilot.operator.local_process import (
+from kvpilot.operator.local.process import (
     LOCAL_HOST,
     Replica,
     assign_gpus,
@@ -49,7 +49,7 @@ from kvpilot.operator.local_process import (
     log_tail,
     resolve_int_or_percent,
 )
-from kvpilot.operator.policy import format_time
+from kvpilot.operator.remediation.policy import format_time
 
 PROBE_TIMEOUT_S = 2.0
 READINESS_FAILURES = 3  # consecutive failed probes before a ready replica counts as unready

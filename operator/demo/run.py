@@ -1,6 +1,6 @@
 """``make demo``: the whole loop on one machine, from a preemption storm to the remediation that ends it.
 
-    python -m kvpilot.operator.demo [--model DIR] [--out build/demo] [--quick]
+    python -m kvpilot.operator.demo.run [--model DIR] [--out build/demo] [--quick]
 
 1. A model: ``--model DIR`` (``MODEL=`` in make), else a small random-weight checkpoint built once into
    ``--out`` (``kvpilot.engine.models.synthetic``; ``--quick``: the tiny test size).
@@ -37,9 +37,9 @@ from typing import Any
 
 import aiohttp
 
-from kvpilot.operator import names
-from kvpilot.operator.demo_report import Sample, Timeline, Trip, summarize_run, write_plot
-from kvpilot.operator.demo_setup import (
+from kvpilot.operator.api import names
+from kvpilot.operator.demo.report import Sample, Timeline, Trip, summarize_run, write_plot
+from kvpilot.operator.demo.prepare import (
     THRESHOLD,
     calibrate,
     ensure_model,
@@ -48,7 +48,7 @@ from kvpilot.operator.demo_setup import (
     wait_for_line,
     write_manifest,
 )
-from kvpilot.operator.window import parse_scrape
+from kvpilot.operator.remediation.window import parse_scrape
 
 CONCURRENCY = 8
 PROMPT_LEN, MAX_TOKENS = 16, 96  # 112 tokens = 7 blocks of 16 per request
@@ -304,7 +304,7 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvpilot.operator.demo", description=__doc__.split("\n")[0]
+        prog="python -m kvpilot.operator.demo.run", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", default=os.environ.get("MODEL") or None, help="Hugging Face model dir")
     parser.add_argument("--out", type=Path, default=Path("build/demo"), help="cache and results")

@@ -23,8 +23,8 @@ import uuid
 from typing import Any
 
 from kvpilot.operator.kube import ApiError, KubeClient
-from kvpilot.operator.remediation import merge_patch
-from kvpilot.operator.status import rfc3339
+from kvpilot.operator.remediation.evaluate import merge_patch
+from kvpilot.operator.reconcile.status import rfc3339
 
 # (plural, namespace, name)
 Key = tuple[str, str | None, str]

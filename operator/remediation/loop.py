@@ -26,22 +26,22 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvpilot.operator import names
-from kvpilot.operator.builders import build_deployment
-from kvpilot.operator.effective import resolve_effective
+from kvpilot.operator.api import names
+from kvpilot.operator.render.builders import build_deployment
+from kvpilot.operator.api.effective import resolve_effective
 from kvpilot.operator.kube import ApiError, KubeClient, object_path
-from kvpilot.operator.pods import PodSet, classify
-from kvpilot.operator.policy import APPLY, RemediationSettings
-from kvpilot.operator.reconcile import reconcile
-from kvpilot.operator.remediation import evaluate
-from kvpilot.operator.scrape import Recorder, Scraper
-from kvpilot.operator.validation import validate
-from kvpilot.operator.window import MetricsParseError, PodSeries, parse_scrape, summarize
+from kvpilot.operator.remediation.pods import PodSet, classify
+from kvpilot.operator.remediation.policy import APPLY, RemediationSettings
+from kvpilot.operator.reconcile.reconciler import reconcile
+from kvpilot.operator.remediation.evaluate import evaluate
+from kvpilot.operator.remediation.scrape import Recorder, Scraper
+from kvpilot.operator.api.validation import validate
+from kvpilot.operator.remediation.window import MetricsParseError, PodSeries, parse_scrape, summarize
 
 ENGINE_POD_SELECTOR = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY},{names.LABEL_COMPONENT}={names.COMPONENT}"
 STALE_INTERVALS = 3.0  # a pod's metrics are stale after this many scrape intervals without an answer
 
-LOG = logging.getLogger("kvpilot.operator.remediation")
+LOG = logging.getLogger("kvpilot.operator.remediation.evaluate")
 
 # (isvc, type, reason, message) -> posts an Event; (namespace, name) -> the object's write lock.
 PostEvent = Callable[[dict, str, str, str], Awaitable[None]]

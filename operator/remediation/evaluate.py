@@ -1,6 +1,6 @@
 """One remediation evaluation of an InferenceService: decide, then the status it writes and its Events.
 
-Pure: ``evaluate(isvc, window, now)`` returns the :class:`~kvpilot.operator.policy.Decision` and an
+Pure: ``evaluate(isvc, window, now)`` returns the :class:`~kvpilot.operator.remediation.policy.Decision` and an
 :class:`Update` — a JSON merge patch of ``status`` (None when nothing changed) and the Events to post.
 The operator sends both to the API server; ``kvpilot replay`` applies the patch to an in-memory copy,
 so a replay walks through exactly the states the operator would.
@@ -25,8 +25,8 @@ import datetime
 import math
 from typing import Any
 
-from kvpilot.operator.effective import LEVERS, Effective, resolve_effective
-from kvpilot.operator.policy import (
+from kvpilot.operator.api.effective import LEVERS, Effective, resolve_effective
+from kvpilot.operator.remediation.policy import (
     APPLY,
     AUTO,
     OFF,
@@ -44,9 +44,9 @@ from kvpilot.operator.policy import (
     is_storm,
     parse_time,
 )
-from kvpilot.operator.spec import apply_defaults
-from kvpilot.operator.status import condition, find_condition, merge_conditions
-from kvpilot.operator.window import MetricWindow
+from kvpilot.operator.api.spec import apply_defaults
+from kvpilot.operator.reconcile.status import condition, find_condition, merge_conditions
+from kvpilot.operator.remediation.window import MetricWindow
 
 MAX_HISTORY = 20
 SIGNALS_REFRESH_S = 60.0

@@ -30,10 +30,10 @@ import statistics
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from kvpilot.operator.policy import AUTO, OFF, RECOMMEND, Decision, RemediationSettings, format_time
-from kvpilot.operator.remediation import evaluate, merge_patch
-from kvpilot.operator.validation import validate
-from kvpilot.operator.window import MetricsParseError, PodSeries, parse_scrape, summarize
+from kvpilot.operator.remediation.policy import AUTO, OFF, RECOMMEND, Decision, RemediationSettings, format_time
+from kvpilot.operator.remediation.evaluate import evaluate, merge_patch
+from kvpilot.operator.api.validation import validate
+from kvpilot.operator.remediation.window import MetricsParseError, PodSeries, parse_scrape, summarize
 
 MODES = (AUTO, RECOMMEND, OFF)
 STALE_INTERVALS = 3.0  # a pod is stale after this many of its scrape intervals without a sample

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvpilot.operator.spec import ENGINE_KEYS, apply_defaults
+from kvpilot.operator.api.spec import ENGINE_KEYS, apply_defaults
 
 # The levers remediation may override (CRD keys; ``replicas`` is ``spec.replicas``).
 LEVERS = (

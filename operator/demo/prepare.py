@@ -22,10 +22,10 @@ from typing import Any
 import yaml
 
 from kvpilot.engine.config import to_cli_args
-from kvpilot.operator import names
-from kvpilot.operator.local_process import die_with_parent
-from kvpilot.operator.spec import engine_snake_args
-from kvpilot.operator.window import parse_scrape
+from kvpilot.operator.api import names
+from kvpilot.operator.local.process import die_with_parent
+from kvpilot.operator.api.spec import engine_snake_args
+from kvpilot.operator.remediation.window import parse_scrape
 
 THRESHOLD = 1.0  # preemptions/s per replica that count as a storm
 SHAPE = {"maxModelLen": 128, "maxNumBatchedTokens": 256, "maxNumSeqs": 16, "enablePrefixCaching": False}

@@ -15,9 +15,9 @@ import math
 from typing import Any
 
 from kvpilot.engine.config import to_cli_args
-from kvpilot.operator import names
-from kvpilot.operator.effective import Effective
-from kvpilot.operator.spec import ModelSource, engine_snake_args, parse_model_source
+from kvpilot.operator.api import names
+from kvpilot.operator.api.effective import Effective
+from kvpilot.operator.api.spec import ModelSource, engine_snake_args, parse_model_source
 
 # Probe timing. The startup probe covers the model load (minutes for large checkpoints); once it
 # passes, readiness takes a pod out of the Service within ~15 s and liveness restarts a pod whose
