@@ -18,18 +18,21 @@ COPY kernels/ kernels/
 COPY operator/ operator/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# ---- operator: slim Python, kopf and the operator only -------------------------------------------
+# ---- operator: slim Python, kopf and the cluster operator only ------------------------------------
 FROM python:${PYTHON_VERSION}-slim-bookworm AS operator
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=wheel /wheels /wheels
-# The [operator] extra pulls kopf and aiohttp; torch and transformers stay out of this image.
+# The [operator] extra pulls kopf and aiohttp; torch and transformers stay out of this image. The local
+# platform and the demo (`kvpilot up`, `make demo`) are not part of the cluster operator and are removed.
 # DL3013: the package installed is the wheel built above; its dependencies' ranges live in pyproject.toml.
 # hadolint ignore=DL3013
 RUN WHEEL="$(find /wheels -name 'kvpilot-*.whl')" \
     && pip install --no-cache-dir "${WHEEL}[operator]" \
     && rm -rf /wheels \
+    && SITE="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    && rm -rf "${SITE}/kvpilot/operator/local" "${SITE}/kvpilot/operator/demo" \
     && useradd --uid 65532 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvpilot
 USER 65532:65532
 EXPOSE 8080

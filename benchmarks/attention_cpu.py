@@ -9,6 +9,12 @@ wall times are not.
 
     python benchmarks/attention_cpu.py            # table + benchmarks/results/attention_cpu.json
     python benchmarks/attention_cpu.py --sweep    # also sweep the decode chunk size
+
+What it showed: for 64 decodes of 512 tokens (bf16, 4 KV heads of 64, one thread) a layer of the current
+implementation is about half gather (reading the scattered blocks from DRAM) and half SDPA (its CPU
+flash kernel, compute-bound at one query row). The original gathered into fresh tensors on every layer,
+and the page faults made its time swing between about 1x and 4x of the current one's with the
+allocator's state.
 """
 
 from __future__ import annotations

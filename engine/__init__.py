@@ -1,5 +1,32 @@
 """kvpilot's inference engine.
 
+The loop is three calls (``llm_engine``): the input processor turns prompts into requests, ``step()``
+schedules, executes and lets the scheduler update the requests, the output processor turns the updates
+into ``RequestOutput`` objects.
+
+* ``config``: ``EngineArgs``, whose fields are the CLI flags and the CRD's ``spec.engine`` keys.
+* ``engine_config``: the settings resolved once from the args, the checkpoint and the tokenizer.
+* ``errors``: the engine's typed errors (mapped to HTTP codes by the server).
+* ``sampling_params``: ``SamplingParams``, validated at the edge.
+* ``input_processor``: prompts -> requests: tokenization, validation, the ``n > 1`` fan-out.
+* ``request``: one sequence's state, written only by the scheduler.
+* ``block_manager``: the paged KV cache's bookkeeping: block tables, prefix cache, copy-on-write, swap.
+* ``scheduler``: continuous batching with chunked prefill and preemption; ``update_from_output``.
+* ``scheduler_output``: the scheduler's contracts: its config, one step's batch, one request's update.
+* ``model_runner``: one rank's step on the model: flatten the batch, forward, sample; KV-pool sizing.
+* ``memory``: how many KV blocks fit in the memory budget; the CPU swap pool.
+* ``sampler``: logits -> next tokens (greedy, temperature, top-k/p, min-p, penalties, seeds).
+* ``output_processor``: updates -> outputs: detokenizing, stop strings, ``n > 1`` merge, beam search.
+* ``detokenizer``: incremental detokenization with stop strings that are never retracted.
+* ``beam_search``: which beams survive each step, as fork/finish intents the engine applies.
+* ``outputs``: ``RequestOutput``, ``CompletionOutput`` and the runner's ``ModelRunnerOutput``.
+* ``stats``: ``SchedulerStats`` and ``IterationStats``, what the stat loggers read after every step.
+* ``llm_engine``: ``LLMEngine``, the three calls wired together.
+* ``llm``: ``LLM``, the offline API.
+* ``async_engine``: the engine on a background thread with per-request asyncio streams.
+* ``metrics`` / ``metrics_names``: the vLLM-named Prometheus metrics, and their names (dependency-free).
+* ``models/``, ``parallel/``, ``server/``: the model path, tensor/pipeline parallelism, the OpenAI server.
+
 The public names (``LLM``, ``SamplingParams``, ...) load lazily so that torch-free modules of this
 package (``config``, ``metrics_names``, the scheduler) can be imported without torch.
 """

@@ -12,9 +12,10 @@ loop talks to it through a command queue (add, abort) and gets outputs back thro
     abort(ids) ──► commands ──────────────────────► abort_request: KV blocks freed before the next step
 
 Commands are applied between steps, so an abort frees its blocks within one step time. A request that
-can never run (ValueError from the engine) or that finds the waiting queue full (``QueueFullError``)
-fails its ``add`` without touching the engine's state. If ``step()`` raises, the loop is dead: every
-open stream and every later ``add`` fails with ``EngineDeadError`` and ``is_healthy`` turns False.
+can never run (``InvalidRequestError`` from the engine) or that finds the waiting queue full
+(``QueueFullError``) fails its ``add`` without touching the engine's state. If ``step()`` raises, the
+loop is dead: every open stream and every later ``add`` fails with ``EngineDeadError`` and
+``is_healthy`` turns False.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvpilot.engine.errors import EngineDeadError, QueueFullError  # noqa: F401 (re-exported)
+from kvpilot.engine.errors import ConfigError, EngineDeadError, QueueFullError
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -135,7 +136,7 @@ class AsyncEngine:
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+            raise ConfigError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.retry_after_s = retry_after_s
@@ -146,8 +147,8 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, RequestStream] = {}  # event-loop side
-        self._live: dict[str, int] = {}  # engine side: request id -> number of sequences
+        # Event-loop side; the engine thread keeps no request state of its own (the engine does).
+        self._streams: dict[str, RequestStream] = {}
         self._step_started_at: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -208,8 +209,8 @@ class AsyncEngine:
     async def add(self, inputs: Sequence[PromptInput], stream: bool) -> RequestStream:
         """Queue the requests (all or none) and return their stream.
 
-        Raises ValueError for a request the engine can never run, ``QueueFullError`` when the waiting
-        queue is full, ``EngineDeadError`` when the loop is dead.
+        Raises ``InvalidRequestError`` for a request the engine can never run, ``QueueFullError`` when the
+        waiting queue is full, ``EngineDeadError`` when the loop is dead.
         """
         ids = [inp.request_id for inp in inputs]
         rs = RequestStream(ids)
@@ -297,9 +298,6 @@ class AsyncEngine:
                 outputs = engine.step()
                 self._step_started_at = None
                 if outputs:
-                    for out in outputs:
-                        if out.finished:
-                            self._live.pop(out.request_id, None)
                     self._publish(self._deliver, outputs)
                 if engine.num_steps == num_steps:
                     # Nothing was schedulable this time: wait for a command instead of spinning.
@@ -319,9 +317,8 @@ class AsyncEngine:
                 if fut.set_running_or_notify_cancel():
                     self._apply_add(inputs, stream, fut)
             else:
-                for rid in command[1]:
-                    if self._live.pop(rid, None) is not None:
-                        num_aborted += self.engine.abort_request(rid)
+                # Ids that finished (or never got in) meanwhile are ignored by the engine.
+                num_aborted += self.engine.abort_request(command[1])
         # Gauges must reflect adds and aborts even when no step follows (an idle engine after an abort).
         stats = self.engine.stats()
         for stat_logger in self.engine.stat_loggers:
@@ -350,12 +347,9 @@ class AsyncEngine:
                     arrival_time=inp.arrival_time,
                 )
                 added.append(inp.request_id)
-                self._live[inp.request_id] = inp.params.n
         except Exception as exc:
             if added:
                 engine.abort_request(added)
-                for rid in added:
-                    self._live.pop(rid, None)
             fut.set_exception(exc)
         else:
             fut.set_result(None)

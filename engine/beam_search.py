@@ -1,4 +1,4 @@
-"""Beam search: which continuations survive each step (torch-free; the engine moves the KV).
+"""Beam search: which continuations survive each step (torch-free; the engine applies its intents).
 
 Each step every running beam reports the log-probabilities of its top ``2 * beam_width`` next tokens.
 The candidates (beam, token) are ranked by accumulated log-probability; the best ``2 * beam_width``
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.errors import SamplingParamsError
 from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.scheduler import Scheduler
 
 
 @dataclass
 class BeamSearchParams:
-    """Beam search settings, mirroring vLLM's ``BeamSearchParams``."""
+    """Beam search settings, mirroring vLLM's ``BeamSearchParams``. Raises ``SamplingParamsError`` for a
+    width or ``max_tokens`` below 1."""
 
     beam_width: int
     max_tokens: int
@@ -32,9 +33,9 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+            raise SamplingParamsError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise SamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
 
 
 @dataclass
@@ -137,35 +138,74 @@ class BeamSearchState:
         return sorted(hyps, key=lambda h: -h.score)[: self.params.beam_width]
 
 
+@dataclass
+class Fork:
+    """Start ``child`` from the KV of the running beam ``parent_req_id`` (shared, copy-on-write)."""
+
+    parent_req_id: str
+    child: Request
+
+
+@dataclass
+class Finish:
+    """End the beam ``req_id`` with ``status`` and free its blocks."""
+
+    req_id: str
+    status: RequestStatus
+
+
+@dataclass
+class Pause:
+    """Hold the beam ``req_id`` (keeping its blocks) until its group has been advanced."""
+
+    req_id: str
+
+
+@dataclass
+class Resume:
+    """Schedule the beam ``req_id`` again."""
+
+    req_id: str
+
+
+BeamIntent = Fork | Finish | Pause | Resume
+
+
 class BeamSearchGroup:
-    """Drives one beam search on the engine: its beams are ordinary sequences of the scheduler.
+    """One beam search on the engine: its beams are ordinary sequences of the scheduler.
 
     Each beam samples greedily with ``logprobs = num_candidates`` and then pauses (keeping its KV)
     until every running beam of the group has reported for the same length; ``advance`` then runs
-    the selection, continues winners in place or forks them, and frees the losers.
+    the selection: winners continue in place or fork, losers finish. The group never touches the
+    scheduler: it returns what to do as intents, which the engine applies in order.
     """
 
     def __init__(self, request_id: str, prompt: str | None, state: BeamSearchState, first: Request) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        self.prompt_token_ids = first.prompt_token_ids
         self.state = state
         self.beams: list[Request] = [first]
         self.reports: dict[str, dict[int, float]] = {}
         self._next_beam = 1
 
+    @property
+    def req_ids(self) -> list[str]:
+        """The scheduler ids of the running beams."""
+        return [b.req_id for b in self.beams]
+
     def on_sampled(self, seq: Request) -> bool:
-        """Record ``seq``'s candidates and pause it; True when every beam has reported."""
+        """Record ``seq``'s candidates (it must then be paused); True when every beam has reported."""
         self.reports[seq.req_id] = seq.logprobs[-1]
-        seq.is_paused = True
         return all(b.req_id in self.reports for b in self.beams)
 
-    def advance(self, scheduler: Scheduler) -> bool:
-        """Select the next beams (forking or freeing sequences); True when the search is done."""
+    def advance(self) -> list[BeamIntent]:
+        """Select the next beams; return the forks, then the finished beams, then the resumed ones.
+        ``state.done`` tells whether the search is over (every beam then finishes)."""
         continuations = self.state.step([self.reports[b.req_id] for b in self.beams])
         self.reports.clear()
         if self.state.done:
-            self.finish(scheduler)
-            return True
+            return self.finish()
         # A winner whose parent already holds its token continues in the parent; the rest fork.
         chosen: list[Request | None] = [None] * len(continuations)
         kept: set[str] = set()
@@ -174,32 +214,33 @@ class BeamSearchGroup:
             if parent.output_token_ids[-1] == c.token and parent.req_id not in kept:
                 chosen[i] = parent
                 kept.add(parent.req_id)
+        intents: list[BeamIntent] = []
         for i, c in enumerate(continuations):
             if chosen[i] is None:
-                chosen[i] = self._fork(scheduler, self.beams[c.parent], c.token)
-        scheduler.finish_requests(
-            [b.req_id for b in self.beams if b.req_id not in kept], RequestStatus.FINISHED_ABORTED
-        )
-        for seq in chosen:
-            seq.is_paused = False
+                parent = self.beams[c.parent]
+                chosen[i] = self._child(parent, c.token)
+                intents.append(Fork(parent.req_id, chosen[i]))
+        intents += [
+            Finish(b.req_id, RequestStatus.FINISHED_ABORTED) for b in self.beams if b.req_id not in kept
+        ]
+        intents += [Resume(seq.req_id) for seq in chosen if seq.req_id in kept]
         self.beams = chosen
-        return False
+        return intents
 
-    def _fork(self, scheduler: Scheduler, parent: Request, token: int) -> Request:
+    def _child(self, parent: Request, token: int) -> Request:
         child = Request(
             req_id=f"{self.request_id}#b{self._next_beam}",
             prompt_token_ids=parent.prompt_token_ids,
             sampling_params=parent.sampling_params,
             eos_token_id=parent.eos_token_id,
             arrival_time=parent.arrival_time,
+            client_request_id=self.request_id,
         )
         self._next_beam += 1
         child.output_token_ids = parent.output_token_ids[:-1] + [token]
         child.all_token_ids = parent.all_token_ids[:-1] + [token]
-        child.logprobs = []
-        scheduler.fork(parent, child)
         return child
 
-    def finish(self, scheduler: Scheduler) -> None:
-        """Free every remaining beam (the search is over or aborted)."""
-        scheduler.finish_requests([b.req_id for b in self.beams], RequestStatus.FINISHED_STOPPED)
+    def finish(self) -> list[BeamIntent]:
+        """Finish every remaining beam (the search is over)."""
+        return [Finish(b.req_id, RequestStatus.FINISHED_STOPPED) for b in self.beams]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.request import Request
 
 
@@ -36,7 +37,7 @@ class BlockManager:
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
     ) -> None:
         if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+            raise ConfigError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -67,6 +68,7 @@ class BlockManager:
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached-but-free blocks included)."""
         return len(self._free_plain) + len(self._free_cached)
 
     @property
@@ -76,6 +78,7 @@ class BlockManager:
 
     @property
     def num_free_cpu_blocks(self) -> int:
+        """CPU blocks neither holding a swapped-out block nor read by this step's swap-ins."""
         return len(self._free_cpu)
 
     @property
@@ -86,9 +89,16 @@ class BlockManager:
         return 1.0 - (len(self._free_cpu) + len(self._cpu_released)) / self.num_cpu_blocks
 
     def get_block_table(self, req_id: str) -> list[int]:
+        """The device blocks of ``req_id``, in token order: the live list itself, or [] when it has none."""
         return self.block_tables.get(req_id, [])
 
+    def has_block_table(self, req_id: str) -> bool:
+        """Whether ``req_id`` holds a device block table (possibly still empty), i.e. was allocated since
+        it was last freed or swapped out."""
+        return req_id in self.block_tables
+
     def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens (ceil)."""
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ allocation
@@ -123,8 +133,8 @@ class BlockManager:
         """On admission: reuse cached blocks for the longest cached prefix of ``req``'s tokens.
 
         Returns the number of tokens whose KV is already cached (a multiple of ``block_size``, and
-        always leaving at least one token to compute so the request gets logits). Sets
-        ``req.num_computed_tokens`` accordingly. No-op when prefix caching is off.
+        always leaving at least one token to compute so the request gets logits; 0 when prefix caching
+        is off): the caller's ``req.num_computed_tokens`` and ``req.num_cached_tokens`` from now on.
         """
         assert req.req_id not in self.block_tables, f"{req.req_id} already has blocks"
         self.block_tables[req.req_id] = []
@@ -148,15 +158,7 @@ class BlockManager:
         num_cached = len(table) * self.block_size
         self.prefix_queries += len(tokens)
         self.prefix_hits += num_cached
-        req.num_computed_tokens = num_cached
-        req.num_cached_tokens = num_cached
         return num_cached
-
-    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        table = self.block_tables.get(req.req_id, [])
-        needed = self.num_blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
-        needed += self._needs_cow(req, table)
-        return needed <= self.num_free_blocks
 
     def _needs_cow(self, req: Request, table: list[int]) -> int:
         """1 when the next write lands in a partially filled block shared with another request."""
@@ -186,6 +188,15 @@ class BlockManager:
         for _ in range(needed):
             table.append(self._pop_free())
         return True
+
+    def undo_allocate_prefix(self, req: Request) -> None:
+        """Free what ``allocate_prefix`` gave ``req`` when it is not admitted after all, and withdraw its
+        lookup from the prefix-cache counters: the lookup is retried, and counted, at its next admission.
+        Leaves ``req``'s own counters to the caller."""
+        self.free(req)
+        if self.enable_prefix_caching:
+            self.prefix_queries -= req.num_tokens
+            self.prefix_hits -= req.num_cached_tokens
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the cache keys of ``req``'s blocks that became full (their KV is computed)."""
@@ -221,6 +232,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, req: Request) -> bool:
+        """Whether the free CPU pool holds every device block of ``req``."""
         return len(self.block_tables.get(req.req_id, ())) <= len(self._free_cpu)
 
     def swap_out(self, req: Request) -> None:
@@ -284,13 +296,6 @@ class BlockManager:
             self.pending_copies = [(s, d) for s, d in self.pending_copies if self.ref_counts[d] > 0]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
+        """This step's copy-on-write (src, dst) pairs, to run after the swap-outs and before the swap-ins."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
-
-    def reset_prefix_cache(self) -> None:
-        """Forget the cached prefixes of free blocks (e.g. after weights change)."""
-        for block in list(self._free_cached):
-            del self._cached[self.block_keys[block]]
-            self.block_keys[block] = None
-            self._free_plain.append(block)
-        self._free_cached.clear()

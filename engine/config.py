@@ -52,6 +52,12 @@ class EngineArgs:
     swap_space: float = _arg(4.0, "GiB of CPU memory for swapped-out KV blocks (swap preemption).")
     tensor_parallel_size: int = _arg(1, "Number of tensor-parallel ranks.")
     pipeline_parallel_size: int = _arg(1, "Number of pipeline stages.")
+    pipeline_micro_batches: int = _arg(
+        1, "Micro-batches a step is split into so that pipeline stages overlap (1: no split)."
+    )
+    distributed_timeout_s: float = _arg(
+        300.0, "Seconds a collective between parallel ranks may wait before it fails."
+    )
     dtype: str = _arg("auto", "Weight and activation dtype: auto | float32 | bfloat16 | float16.")
     device: str = _arg("auto", "cuda | cpu | auto (cuda when available).")
     attention_backend: str = _arg("auto", "Attention kernels: auto | torch | triton.")
@@ -74,12 +80,20 @@ class EngineArgs:
         positive("cpu_memory_budget_bytes", allow_none=True)
         positive("tensor_parallel_size")
         positive("pipeline_parallel_size")
+        positive("pipeline_micro_batches")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        timeout = self.distributed_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < float("inf")
+        ):
+            raise ConfigError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
         for name, allowed in (

@@ -10,7 +10,8 @@ from typing import Any
 
 from kvpilot.engine.beam_search import BeamSearchParams
 from kvpilot.engine.config import EngineArgs
-from kvpilot.engine.llm_engine import LLMEngine
+from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.llm_engine import LLMEngine, ShutdownOnExit
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -32,8 +33,9 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
 
 
-class LLM:
-    """An engine for offline batches. Keyword arguments are ``EngineArgs`` fields."""
+class LLM(ShutdownOnExit):
+    """An engine for offline batches. Keyword arguments are ``EngineArgs`` fields; ``with LLM(...)``
+    shuts it down on exit."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
@@ -46,12 +48,6 @@ class LLM:
         """Stop the engine's worker processes (tensor/pipeline parallel); idempotent, also done at exit."""
         self.llm_engine.shutdown()
 
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.shutdown()
-
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -61,7 +57,8 @@ class LLM:
         """Run every prompt to completion with continuous batching; outputs come back in prompt order.
 
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. ``sampling_params``
-        is one for all prompts or one per prompt.
+        is one for all prompts or one per prompt. Raises ``InvalidRequestError`` for a request the engine
+        refuses (none of the batch runs then), ``TypeError`` for a prompt of another shape.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -73,7 +70,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(
+                raise InvalidRequestError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts; "
                     "pass one, or one per prompt"
                 )

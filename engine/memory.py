@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvpilot.engine.errors import KVCacheSizeError  # noqa: F401 (re-exported)
+from kvpilot.engine.errors import KVCacheSizeError
 
 GiB = 1 << 30
 
@@ -46,6 +46,11 @@ class KVPoolPlan:
             f"{self.num_tokens:,} tokens; max concurrency at max_model_len {max_model_len:,}: "
             f"{self.num_tokens / max_model_len:.1f}x"
         )
+
+
+def num_cpu_swap_blocks(preemption_mode: str, swap_space_gib: float, bytes_per_block: int) -> int:
+    """Blocks of the CPU swap pool: ``swap_space`` GiB of host memory (per rank), in swap mode only."""
+    return int(swap_space_gib * GiB) // bytes_per_block if preemption_mode == "swap" else 0
 
 
 def total_system_memory() -> int:

@@ -23,80 +23,25 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpilot.engine import metrics_names as names
-from kvpilot.engine.scheduler import SchedulerStats
-from kvpilot.engine.stats import FinishedRequestStats, IterationStats
+from kvpilot.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 GiB = 1 << 30
 
 # vLLM V1's buckets, so that dashboards built for vLLM read the same quantiles.
+# fmt: off
 TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )
 ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
 REQUEST_LATENCY_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
+# fmt: on
 
 
 def one_two_five_buckets(limit: int) -> list[float]:
@@ -151,6 +96,11 @@ class PrometheusStatLogger:
         def histogram(name: str, doc: str, buckets) -> Any:
             return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
 
+        def info(name: str, doc: str, keys: tuple[str, ...], config: dict[str, Any]) -> None:
+            # Value 1; a key missing from ``config`` reads "None".
+            gauge = Gauge(name, doc, list(keys), registry=registry)
+            gauge.labels(**{k: _label(config.get(k)) for k in keys}).set(1)
+
         self.running = gauge(names.NUM_REQUESTS_RUNNING, "Number of sequences in model execution batches.")
         self.waiting = gauge(names.NUM_REQUESTS_WAITING, "Number of sequences waiting to be processed.")
         self.swapped = gauge(names.NUM_REQUESTS_SWAPPED, "Number of sequences swapped to CPU.")
@@ -185,28 +135,20 @@ class PrometheusStatLogger:
         self.itl = histogram(
             names.INTER_TOKEN_LATENCY_SECONDS, "Inter-token latency in seconds.", ITL_BUCKETS
         )
-        self.e2e = histogram(
-            names.E2E_REQUEST_LATENCY_SECONDS,
-            "End-to-end request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
+
+        def latency(name: str, doc: str) -> Any:
+            return histogram(name, doc, REQUEST_LATENCY_BUCKETS)
+
+        self.e2e = latency(names.E2E_REQUEST_LATENCY_SECONDS, "End-to-end request latency in seconds.")
+        self.queue_time = latency(
+            names.REQUEST_QUEUE_TIME_SECONDS, "Time spent waiting before first scheduled."
         )
-        self.queue_time = histogram(
-            names.REQUEST_QUEUE_TIME_SECONDS,
-            "Time spent waiting before first scheduled.",
-            REQUEST_LATENCY_BUCKETS,
+        self.prefill_time = latency(
+            names.REQUEST_PREFILL_TIME_SECONDS, "Time from first scheduled to first token."
         )
-        self.prefill_time = histogram(
-            names.REQUEST_PREFILL_TIME_SECONDS,
-            "Time from first scheduled to first token.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.decode_time = histogram(
-            names.REQUEST_DECODE_TIME_SECONDS, "Time from first token to finish.", REQUEST_LATENCY_BUCKETS
-        )
-        self.inference_time = histogram(
-            names.REQUEST_INFERENCE_TIME_SECONDS,
-            "Time from first scheduled to finish.",
-            REQUEST_LATENCY_BUCKETS,
+        self.decode_time = latency(names.REQUEST_DECODE_TIME_SECONDS, "Time from first token to finish.")
+        self.inference_time = latency(
+            names.REQUEST_INFERENCE_TIME_SECONDS, "Time from first scheduled to finish."
         )
         token_buckets = one_two_five_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
@@ -224,20 +166,18 @@ class PrometheusStatLogger:
             [float(b) for b in iteration_buckets if b <= max_num_batched_tokens],
         )
 
-        cache_info = Gauge(
+        info(
             names.CACHE_CONFIG_INFO,
             "Information of the KV-cache configuration.",
-            list(names.CACHE_CONFIG_LABELS),
-            registry=registry,
+            names.CACHE_CONFIG_LABELS,
+            cache_config,
         )
-        cache_info.labels(**{k: _label(cache_config.get(k)) for k in names.CACHE_CONFIG_LABELS}).set(1)
-        model_info = Gauge(
+        info(
             names.MODEL_CONFIG_INFO,
             "Model shape and parallelism of this engine.",
-            list(names.MODEL_CONFIG_LABELS),
-            registry=registry,
+            names.MODEL_CONFIG_LABELS,
+            model_config,
         )
-        model_info.labels(**{k: _label(model_config.get(k)) for k in names.MODEL_CONFIG_LABELS}).set(1)
 
         # Cumulative scheduler totals already exported (monotonic high-water marks).
         self._seen_preemptions = 0

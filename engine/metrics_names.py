@@ -1,4 +1,4 @@
-"""The names of every metric the engine exports: the one place they are spelled (DESIGN §4).
+"""The names of every metric the engine exports: the one place they are spelled.
 
 Dependency-free on purpose: the operator imports this module to read ``/metrics`` and must not pull
 in prometheus-client, torch or transformers. Names are the *exposed* names, exactly as they appear in

@@ -1,20 +1,37 @@
-"""Runs one scheduler step on the model: flatten the batch, forward once, sample.
+"""Runs one scheduler step on one rank's model: flatten the batch, forward once, sample.
 
-The runner owns the model, the KV cache tensors and the sampler. It reads only the
-``SchedulerOutput``, so the same code can run in a worker process.
+The runner owns the model, the KV cache tensors and (on the sampling rank) the sampler. It reads only
+the ``SchedulerOutput``: every rank of a parallel engine prepares the same flattened inputs from the same
+step and runs its share of the forward. A rank's KV cache holds its own layers and KV heads, with the
+same number of blocks everywhere (block ids and slot mappings are global).
+
+Pipeline micro-batching (``pipeline_micro_batches`` M > 1 with pipeline stages): a step's requests are
+split into M runs balanced by tokens that flow through the stages one after the other, so that stage s
+works on run i while stage s+1 works on run i-1::
+
+    stage 0   [mb0][mb1]
+    stage 1        [mb0][mb1] -> logits of both -> sample once
+
+Requests are independent, so the split changes nothing but the matmul shapes (bfloat16 results can then
+differ in the last bit). It is off by default: smaller matmuls and blocking stage-to-stage sends can
+cost more than the overlap gains.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
 
+from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.memory import KVPoolPlan, cpu_activation_estimate, plan_kv_pool, total_system_memory
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.sampler import Sampler, SamplingRow
-from kvpilot.engine.scheduler import SchedulerOutput
+from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvpilot.kernels import AttentionBackend, AttentionMetadata
 
 
@@ -74,32 +91,61 @@ class KVCache:
         )
 
 
+def split_micro_batches(items: list[ScheduledRequest], num: int) -> list[list[ScheduledRequest]]:
+    """``items`` in at most ``num`` contiguous, non-empty runs of about equal token counts (the order,
+    decodes first, is kept within each run)."""
+    num = min(num, len(items))
+    if num <= 1:
+        return [items]
+    ends = list(itertools.accumulate(len(item.token_ids) for item in items))
+    bounds = [0]
+    for k in range(1, num):
+        cut = bisect_left(ends, k * ends[-1] / num) + 1  # the run ends after the item reaching k/num
+        bounds.append(min(max(cut, bounds[-1] + 1), len(items) - (num - k)))
+    bounds.append(len(items))
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]
+
+
 class ModelRunner:
+    """Runs steps on ``model`` (one rank's share). ``sampler`` is None except on the sampling rank, and
+    ``execute`` then returns None. ``num_micro_batches``: see the module doc (every rank of an engine
+    uses the same number)."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
         backend: AttentionBackend,
         device: torch.device,
         block_size: int,
-        sampler: Sampler,
+        sampler: Sampler | None,
+        num_micro_batches: int = 1,
     ) -> None:
         self.model = model
         self.backend = backend
         self.device = device
         self.block_size = block_size
         self.sampler = sampler
+        self.num_micro_batches = num_micro_batches
         # Weights, activations and the KV cache share one dtype.
         self.dtype = next(model.parameters()).dtype
         self.kv_cache: KVCache | None = None
 
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block on this rank (its layers and KV heads)."""
+        shard = self.model.shard
+        return KVCache.bytes_per_block(
+            shard.num_layers, self.block_size, shard.num_kv_heads, self.model.config.head_dim, self.dtype
+        )
+
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> KVCache:
-        cfg = self.model.config
+        shard = self.model.shard
         self.kv_cache = KVCache(
-            cfg.num_hidden_layers,
+            shard.num_layers,
             num_blocks,
             self.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
+            shard.num_kv_heads,
+            self.model.config.head_dim,
             self.dtype,
             self.device,
             num_cpu_blocks,
@@ -128,6 +174,9 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         """Flatten the step into token ids, positions, slots and block tables."""
+        return self._flatten(out.scheduled)
+
+    def _flatten(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -138,7 +187,7 @@ class ModelRunner:
         max_blocks = 0
         num_decodes = 0
         counting_decodes = True
-        for item in out.scheduled:
+        for item in scheduled:
             n = len(item.token_ids)
             start = item.start_pos
             end = start + n
@@ -157,7 +206,7 @@ class ModelRunner:
                 counting_decodes = False
         tables = [
             item.block_table[:max_blocks] + [0] * (max_blocks - len(item.block_table[:max_blocks]))
-            for item in out.scheduled
+            for item in scheduled
         ]
         dev = self.device
         meta = AttentionMetadata(
@@ -179,22 +228,36 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Copy-on-write, one forward over the flattened batch, then sample the requests that need it."""
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Block operations, one forward over the flattened batch (per micro-batch), then sample the
+        requests that need it; None on a rank that does not sample."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         if out.has_block_ops:
             self.apply_block_ops(out)
         if not out.scheduled:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], []) if self.sampler is not None else None
+        prepare_s = 0.0
         t0 = time.perf_counter()
-        inputs = self.prepare_inputs(out)
-        t1 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.metadata)
-        sampling = [item for item in out.scheduled if item.do_sample]
-        if not sampling:
-            return ModelRunnerOutput([], [], [], t1 - t0, time.perf_counter() - t1)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampling: list[ScheduledRequest] = []
+        logits_parts: list[torch.Tensor] = []
+        for items in split_micro_batches(out.scheduled, self.num_micro_batches):
+            t = time.perf_counter()
+            inputs = self._flatten(items)
+            prepare_s += time.perf_counter() - t
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.metadata)
+            rows = [item for item in items if item.do_sample]
+            if rows:
+                # Collective on the last stage (the vocabulary-parallel head gathers to the sampling rank).
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                if logits is not None:
+                    logits_parts.append(logits)
+                sampling += rows
+        if self.sampler is None:
+            return None
         t2 = time.perf_counter()
+        if not sampling:
+            return ModelRunnerOutput([], [], [], prepare_s, t2 - t0 - prepare_s)
+        logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts)
         rows = [
             SamplingRow(item.sampling_params, item.prompt_token_ids, item.output_token_ids, item.eos_token_id)
             for item in sampling
@@ -204,16 +267,17 @@ class ModelRunner:
             [item.req_id for item in sampling],
             sampled.token_ids,
             sampled.logprobs,
-            prepare_s=t1 - t0,
-            forward_s=t2 - t1,
+            prepare_s=prepare_s,
+            forward_s=t2 - t0 - prepare_s,
             sample_s=time.perf_counter() - t2,
         )
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int, max_num_seqs: int) -> None:
         """One forward at the largest step shape (``num_tokens`` tokens) without a KV cache, to measure
-        peak activation memory. Uses a throwaway one-block cache per layer and drops the writes."""
-        cfg = self.model.config
+        peak activation memory. Uses a throwaway one-block cache per layer and drops the writes. A
+        collective on a parallel engine: every rank profiles at the same time."""
+        cfg, shard = self.model.config, self.model.shard
         dtype = self.dtype
         num_reqs = max(1, min(max_num_seqs, num_tokens))
         per_req = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
@@ -221,12 +285,12 @@ class ModelRunner:
         k = torch.zeros(
             scratch_blocks,
             self.block_size,
-            cfg.num_key_value_heads,
+            shard.num_kv_heads,
             cfg.head_dim,
             dtype=dtype,
             device=self.device,
         )
-        caches = [(k, k) for _ in range(cfg.num_hidden_layers)]
+        caches = [(k, k) for _ in range(shard.num_layers)]
         qsl = [0]
         for n in per_req:
             qsl.append(qsl[-1] + n)
@@ -246,3 +310,57 @@ class ModelRunner:
         pos = torch.cat([torch.arange(n, device=self.device) for n in per_req])
         hidden = self.model(ids, pos, caches, meta)
         self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=self.device) - 1])
+
+    def size_kv_pool(self, args: EngineArgs, max_model_len: int, max_num_batched_tokens: int) -> KVPoolPlan:
+        """How many KV blocks this rank can hold.
+
+        The memory budget (``gpu_memory_utilization`` of the device, or of ``cpu_memory_budget_bytes``
+        on CPU) applies per rank, as device memory does per GPU. On CUDA the profiling forward is a
+        collective: every rank must plan at the same time.
+        """
+        cfg, shard, dtype, device = self.model.config, self.model.shard, self.dtype, self.device
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        explicit = args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None
+        activation = 0
+        budget = 0
+        used = 0
+        if not explicit:
+            tokens = max_num_batched_tokens
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+                self.profile_forward(tokens, args.max_num_seqs)
+                torch.cuda.synchronize(device)
+                activation = torch.cuda.max_memory_allocated(device) - before
+                free, budget = torch.cuda.mem_get_info(device)
+                used = budget - free - weights  # other processes and the CUDA context
+            else:
+                budget = args.cpu_memory_budget_bytes or total_system_memory() // 2
+                # The logits this rank materialises: all of them on the sampling rank, its shard of the
+                # vocabulary on the other ranks of the last stage.
+                if shard.is_sampler:
+                    logits_vocab = cfg.vocab_size
+                else:
+                    logits_vocab = shard.num_vocab_rows if shard.is_last_stage else 0
+                activation = cpu_activation_estimate(
+                    tokens,
+                    cfg.hidden_size,
+                    shard.intermediate_size,
+                    (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim,
+                    logits_vocab,
+                    args.max_num_seqs,
+                    dtype.itemsize,
+                )
+        return plan_kv_pool(
+            block_size=args.block_size,
+            bytes_per_block=self.kv_bytes_per_block,
+            max_model_len=max_model_len,
+            num_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            budget_bytes=budget,
+            weights_bytes=weights,
+            activation_bytes=activation,
+            already_used_bytes=max(0, used),
+        )

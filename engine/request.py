@@ -1,4 +1,5 @@
-"""Request state shared by the scheduler and the engine (torch-free).
+"""Request state: written by the scheduler, read by the model runner's inputs and the output processor
+(torch-free).
 
 A request is "prefill and decode as one thing": it owns ``all_token_ids`` (prompt + generated) and
 ``num_computed_tokens``, how many of them already have KV in the cache. Each step the scheduler
@@ -39,13 +40,16 @@ _arrival_counter = itertools.count()
 
 @dataclass(eq=False)
 class Request:
-    """One sequence being generated."""
+    """One sequence being generated. Only the scheduler writes its state; everyone else reads it."""
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # The id of the user request this sequence serves (defaults to req_id): the n > 1 siblings and the
+    # beams of one search share it.
+    client_request_id: str = ""
     # The effective output cap: max_tokens clipped so that prompt + output <= max_model_len.
     max_output_tokens: int = 0
 
@@ -73,6 +77,7 @@ class Request:
     finished_time: float | None = None
 
     def __post_init__(self) -> None:
+        self.client_request_id = self.client_request_id or self.req_id
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
@@ -100,3 +105,18 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+def check_stop(req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+    """Whether ``req`` stops now that ``token`` is its newest output token: (status, stop_reason) with
+    status FINISHED_STOPPED on EOS (stop_reason None) or a stop token (stop_reason the token),
+    FINISHED_LENGTH at its output cap, None to go on. ``min_tokens`` defers EOS and stop tokens."""
+    params = req.sampling_params
+    if req.num_output_tokens >= params.min_tokens:
+        if token == req.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+    if req.num_output_tokens >= req.max_output_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None, None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.engine.errors import SamplingParamsError  # noqa: F401 (re-exported)
+from kvpilot.engine.errors import SamplingParamsError
 
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token and when to stop, mirroring vLLM's ``SamplingParams``.
+    """How to pick each next token and when to stop, mirroring vLLM's ``SamplingParams``. Raises
+    ``SamplingParamsError`` (an ``InvalidRequestError``) naming the first parameter out of range.
 
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``seed`` makes the
     request's samples reproducible whatever else is in the batch. ``logprobs=k`` returns the
@@ -41,6 +42,16 @@ class SamplingParams:
             if not cond:
                 raise SamplingParamsError(msg)
 
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            value = getattr(self, name)
+            check(isinstance(value, int | float), f"{name} must be a number, got {value!r}")
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")

@@ -25,84 +25,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
 from kvpilot.engine.block_manager import BlockManager
-from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.sampling_params import SamplingParams
-
-
-@dataclass
-class SchedulerConfig:
-    """The knobs the scheduler obeys (validated by ``EngineArgs``)."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's slice of a step."""
-
-    req_id: str
-    token_ids: list[int]  # tokens fed this step, at positions start_pos .. start_pos + len - 1
-    start_pos: int  # == num_computed_tokens before the step
-    block_table: list[int]  # the request's physical blocks (shared list; read-only for the runner)
-    do_sample: bool  # True when this slice reaches the end of the known tokens: sample the next one
-    sampling_params: SamplingParams
-    output_token_ids: list[int]  # generated so far (for penalties and seeds); read-only
-    prompt_token_ids: list[int]  # read-only
-    eos_token_id: int | None
-
-
-@dataclass
-class SchedulerOutput:
-    """What runs in one step. The model runner reads only this."""
-
-    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
-    num_batched_tokens: int  # sum of len(token_ids)
-    # Block operations, executed before the forward in this order: swap out, copy, swap in.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pairs
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
-    preempted_req_ids: list[str] = field(default_factory=list)
-
-    @property
-    def has_block_ops(self) -> bool:
-        return bool(self.blocks_to_swap_out or self.blocks_to_copy or self.blocks_to_swap_in)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run and no block to move."""
-        return not self.scheduled and not self.has_block_ops
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for metrics, taken after each step."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float  # 0..1
-    cpu_cache_usage: float  # 0..1 (swap mode)
-    num_preemptions_total: int
-    prefix_cache_queries: int  # tokens looked up (cumulative)
-    prefix_cache_hits: int  # tokens found (cumulative)
-    num_swap_fallbacks: int = 0  # swap preemptions done as recompute because the CPU pool was full
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request: the token it sampled, and whether it finished."""
-
-    request: Request
-    new_token_id: int | None
-    finished: bool
+from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.outputs import ModelRunnerOutput
+from kvpilot.engine.request import Request, RequestStatus, check_stop
+from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.stats import SchedulerStats
 
 
 class Scheduler:
@@ -114,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        # Every unfinished request by req_id: the one place a request's identity lives.
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.num_swap_fallbacks = 0
@@ -122,11 +53,12 @@ class Scheduler:
     def add_request(self, req: Request, siblings: list[Request] | None = None) -> None:
         """Queue ``req``; ``siblings`` (n > 1) will fork from it and share its prompt blocks.
 
-        Raises ValueError if it can never run (longer than ``max_model_len``, bigger than the cache).
+        Raises ``InvalidRequestError`` if it can never run (a duplicate id, an empty prompt, longer than
+        ``max_model_len``, bigger than the cache, more sequences than ``max_num_seqs``); nothing is queued.
         """
         group = [req, *(siblings or [])]
         if len(group) > self.config.max_num_seqs:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"n={len(group)} sequences exceed max_num_seqs ({self.config.max_num_seqs}); lower n"
             )
         for seq in group:
@@ -146,11 +78,11 @@ class Scheduler:
 
     def _validate(self, req: Request) -> None:
         if req.req_id in self.requests:
-            raise ValueError(f"duplicate request id {req.req_id!r}")
+            raise InvalidRequestError(f"duplicate request id {req.req_id!r}")
         if req.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: at least one token is required")
+            raise InvalidRequestError("the prompt is empty: at least one token is required")
         if req.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {req.num_prompt_tokens} tokens but max_model_len is "
                 f"{self.config.max_model_len}: at most {self.config.max_model_len - 1} prompt tokens "
                 "fit with room for one generated token"
@@ -162,7 +94,7 @@ class Scheduler:
         # The last sampled token is never fed back, so a request holds at most prompt + max_output - 1 slots.
         peak = req.num_prompt_tokens + req.max_output_tokens - 1
         if bm.num_blocks_needed(peak) > bm.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the request needs up to {peak} tokens of KV cache ({req.num_prompt_tokens} prompt + "
                 f"{req.max_output_tokens} output) but the whole cache holds {bm.num_blocks * bm.block_size} "
                 "tokens; shorten the prompt or lower max_tokens"
@@ -172,13 +104,19 @@ class Scheduler:
         """Stop these requests now and free their blocks. Unknown or finished ids are ignored."""
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish requests from outside the step (abort, stop string matched by the detokenizer)."""
+    def finish_requests(
+        self, req_ids: Iterable[str], status: RequestStatus, stop_reason: str | None = None
+    ) -> list[Request]:
+        """Finish requests from outside the step (abort, a stop string matched by the detokenizer, the
+        end of a beam search) and free their blocks. ``stop_reason`` (the stop string) is recorded on
+        each when given. Unknown or finished ids are ignored; returns the requests finished."""
         done = []
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
             if req is None:
                 continue
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif req.status == RequestStatus.SWAPPED:
@@ -202,14 +140,6 @@ class Scheduler:
                 sib.status = RequestStatus.WAITING
                 self.waiting.append(sib)
             req.pending_forks = []
-
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -240,10 +170,11 @@ class Scheduler:
                 scheduled[req.req_id] = (req, num_new)
                 budget -= num_new
 
-        # Resume swapped requests, then admit waiting ones -- unless this step had to preempt.
+        # Resume swapped requests (oldest first), then admit waiting ones (FCFS) -- unless this step had
+        # to preempt.
         if not preempted:
-            budget = self._swap_in(budget, scheduled)
-            budget = self._admit(budget, scheduled)
+            budget = self._start_queued(self.swapped, budget, scheduled, self._allocate_swapped)
+            budget = self._start_queued(self.waiting, budget, scheduled, self._allocate_waiting)
 
         items = []
         for req, num_new in scheduled.values():
@@ -253,7 +184,7 @@ class Scheduler:
                     req_id=req.req_id,
                     token_ids=req.all_token_ids[start : start + num_new],
                     start_pos=start,
-                    block_table=bm.block_tables[req.req_id],
+                    block_table=bm.get_block_table(req.req_id),
                     do_sample=start + num_new == req.num_tokens,
                     sampling_params=req.sampling_params,
                     output_token_ids=req.output_token_ids,
@@ -279,61 +210,68 @@ class Scheduler:
             end = req.num_prompt_tokens - 1
         return min(end - req.num_computed_tokens, budget)
 
-    def _swap_in(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
-        bm = self.block_manager
-        for req in list(self.swapped):
-            if budget == 0 or self._num_seq_slots() + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+    def _start_queued(
+        self,
+        queue: deque[Request],
+        budget: int,
+        scheduled: dict[str, tuple[Request, int]],
+        allocate: Callable[[Request, int], int | None],
+    ) -> int:
+        """Start ``queue``'s requests in order (paused ones are passed over) while ``allocate(req, budget)``
+        finds them room: it returns the number of tokens the request feeds, or None to stop at it."""
+        for req in list(queue):
+            if not self._can_join(req, budget):
                 break
             if req.is_paused:
                 continue
-            num_new = self._num_new_tokens(req, budget)
-            if not self._make_room(lambda req=req, n=num_new: bm.can_swap_in(req, n)):
-                break  # oldest first: younger swapped requests wait too
-            bm.swap_in(req)
-            allocated = bm.allocate_slots(req, num_new)
-            assert allocated, "can_swap_in guaranteed room"
-            self.swapped.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            num_new = allocate(req, budget)
+            if num_new is None:
+                break  # first come, first served: the requests behind it wait too
+            self._start_running(req, queue)
             scheduled[req.req_id] = (req, num_new)
             budget -= num_new
         return budget
 
-    def _admit(self, budget: int, scheduled: dict[str, tuple[Request, int]]) -> int:
-        """Admit waiting requests in FCFS order (paused ones are passed over)."""
+    def _allocate_swapped(self, req: Request, budget: int) -> int | None:
         bm = self.block_manager
-        for req in list(self.waiting):
-            if budget == 0 or self._num_seq_slots() + 1 + len(req.pending_forks) > self.config.max_num_seqs:
-                break
-            if req.is_paused:
-                continue
-            fresh = req.req_id not in bm.block_tables
+        num_new = self._num_new_tokens(req, budget)
+        if not self._make_room(lambda: bm.can_swap_in(req, num_new)):
+            return None
+        bm.swap_in(req)
+        allocated = bm.allocate_slots(req, num_new)
+        assert allocated, "can_swap_in guaranteed room"
+        return num_new
+
+    def _allocate_waiting(self, req: Request, budget: int) -> int | None:
+        bm = self.block_manager
+        fresh = not bm.has_block_table(req.req_id)
+        if fresh:
+            req.num_computed_tokens = req.num_cached_tokens = bm.allocate_prefix(req)
+        if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1:
+            self._fork_siblings(req)  # the prefix cache already holds all but the last token
+        wanted = self._num_new_tokens(req, req.num_tokens)
+        num_new = min(wanted, budget)
+        # Without chunked prefill a prompt waits for a budget that holds it whole.
+        too_big = not self.config.enable_chunked_prefill and wanted > budget
+        if too_big or not self._make_room(lambda: bm.allocate_slots(req, num_new)):
             if fresh:
-                bm.allocate_prefix(req)
-            if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1:
-                self._fork_siblings(req)  # the prefix cache already holds all but the last token
-            wanted = self._num_new_tokens(req, req.num_tokens)
-            if not self.config.enable_chunked_prefill and wanted > budget:
-                if fresh:
-                    self._unadmit(req)
-                break
-            num_new = min(wanted, budget)
-            if not self._make_room(lambda req=req, n=num_new: bm.allocate_slots(req, n)):
-                if fresh:
-                    self._unadmit(req)
-                break
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            self.running.append(req)
-            scheduled[req.req_id] = (req, num_new)
-            budget -= num_new
-        return budget
+                self._unadmit(req)
+            return None
+        return num_new
 
-    def _num_seq_slots(self) -> int:
-        """Running sequences, counting the siblings that will fork from them (n > 1)."""
-        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
+    def _can_join(self, req: Request, budget: int) -> bool:
+        """Whether the budget and ``max_num_seqs`` leave room for ``req`` and the siblings that will
+        fork from it; running sequences count theirs too (n > 1)."""
+        num_seqs = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+        return budget > 0 and num_seqs + 1 + len(req.pending_forks) <= self.config.max_num_seqs
+
+    def _start_running(self, req: Request, queue: deque[Request] | None = None) -> None:
+        if queue is not None:
+            queue.remove(req)
+        req.status = RequestStatus.RUNNING
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
+        self.running.append(req)
 
     def _make_room(self, fits) -> bool:
         """``fits()`` or, failing that, preempt paused running requests (newest first) until it does.
@@ -353,22 +291,33 @@ class Scheduler:
         siblings, parent.pending_forks = parent.pending_forks, []
         for sib in siblings:
             sib.fork_parent = None
-            self.fork(parent, sib)
+            self._fork(parent, sib)
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """Start ``child`` from ``parent``'s computed state. ``child.all_token_ids`` must extend
-        ``parent``'s first ``num_computed_tokens`` tokens. A running parent shares its blocks (copy on
-        write); otherwise the child queues to compute its tokens itself."""
+    def fork(self, parent_req_id: str, child: Request) -> None:
+        """Start ``child`` from the computed state of the unfinished request ``parent_req_id``.
+        ``child.all_token_ids`` must extend the parent's first ``num_computed_tokens`` tokens. A running
+        parent shares its blocks (copy on write); otherwise the child queues to compute its tokens itself.
+
+        Raises ``InvalidRequestError`` if ``child`` can never run (see ``add_request``).
+        """
+        self._fork(self.requests[parent_req_id], child)
+
+    def set_paused(self, req_ids: Iterable[str], is_paused: bool) -> None:
+        """Pause requests (they keep their blocks but are not scheduled) or resume them. Unknown or
+        finished ids are ignored."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None:
+                req.is_paused = is_paused
+
+    def _fork(self, parent: Request, child: Request) -> None:
         if child.req_id not in self.requests:
             self._validate(child)
             self.requests[child.req_id] = child
-        if parent.status == RequestStatus.RUNNING and parent.req_id in self.block_manager.block_tables:
+        if parent.status == RequestStatus.RUNNING and self.block_manager.has_block_table(parent.req_id):
             self.block_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
-            child.status = RequestStatus.RUNNING
-            if child.scheduled_time is None:
-                child.scheduled_time = time.monotonic()
-            self.running.append(child)
+            self._start_running(child)
         else:
             child.num_computed_tokens = 0
             child.status = RequestStatus.WAITING
@@ -376,12 +325,7 @@ class Scheduler:
 
     def _unadmit(self, req: Request) -> None:
         """Undo ``allocate_prefix`` for a request that stays waiting."""
-        bm = self.block_manager
-        bm.free(req)
-        # The lookup is retried at its next admission attempt: count each admission once.
-        if bm.enable_prefix_caching:
-            bm.prefix_queries -= req.num_tokens
-            bm.prefix_hits -= req.num_cached_tokens
+        self.block_manager.undo_allocate_prefix(req)
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
 
@@ -403,11 +347,17 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
-        """Advance every scheduled request; append sampled tokens; finish those that stop.
+    def update_from_output(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Advance every scheduled request by the step ``output`` described; append the tokens (and
+        logprobs) ``runner_output`` sampled; finish those that stop. The only writer of this state.
 
-        ``sampled`` maps req_id -> next token for every scheduled request with ``do_sample``.
+        ``runner_output`` holds a token for every scheduled request with ``do_sample``. Requests
+        aborted while the step ran are skipped. Returns one update per token appended.
         """
+        sampled = dict(zip(runner_output.req_ids, runner_output.token_ids, strict=True))
+        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
         updates = []
         now = time.monotonic()
         for item in output.scheduled:
@@ -422,30 +372,21 @@ class Scheduler:
                 continue
             token = sampled[item.req_id]
             req.append_output_token(token)
+            entry = logprobs[item.req_id]
+            if entry is not None:
+                req.logprobs.append(entry)
+            prev_token_time = req.last_token_time
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            status = self._check_stop(req, token)
+            status, stop_reason = check_stop(req, token)
             if status is not None:
+                req.stop_reason = stop_reason
                 del self.requests[req.req_id]
                 self.running.remove(req)
                 self._finish(req, status)
-            updates.append(RequestUpdate(req, token, status is not None))
+            updates.append(RequestUpdate(req, token, status is not None, prev_token_time))
         return updates
-
-    @staticmethod
-    def _check_stop(req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if token == req.eos_token_id and not params.ignore_eos:
-                req.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_output_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager

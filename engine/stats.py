@@ -1,8 +1,30 @@
-"""Per-step statistics the engine hands to its stat loggers (metrics exporters, benchmarks)."""
+"""What the engine hands to its stat loggers after every step (metrics exporters, benchmarks), torch-free:
+the scheduler's snapshot (``SchedulerStats``) and what the step did (``IterationStats``, built by
+``make_iteration_stats``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpilot.engine.outputs import ModelRunnerOutput
+    from kvpilot.engine.scheduler_output import RequestUpdate, SchedulerOutput
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics, taken after each step."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float  # 0..1
+    cpu_cache_usage: float  # 0..1 (swap mode)
+    num_preemptions_total: int
+    prefix_cache_queries: int  # tokens looked up (cumulative)
+    prefix_cache_hits: int  # tokens found (cumulative)
+    num_swap_fallbacks: int = 0  # swap preemptions done as recompute because the CPU pool was full
 
 
 @dataclass
@@ -48,3 +70,55 @@ class IterationStats:
     def overhead_s(self) -> float:
         """Everything outside the model forward: scheduling, input preparation, sampling, bookkeeping."""
         return self.step_s - self.forward_s
+
+
+def make_iteration_stats(
+    sched_out: SchedulerOutput,
+    runner_out: ModelRunnerOutput,
+    updates: list[RequestUpdate],
+    num_preemptions: int,
+    schedule_s: float,
+    update_s: float,
+) -> IterationStats:
+    """What one step did: token counts from ``sched_out`` and ``runner_out``, latencies and finished
+    requests from ``updates`` (taken after the step's outputs were processed), the runner's phase times
+    and the core's own (``schedule_s``; ``update_s``: update, detokenization, outputs)."""
+    num_decode_tokens = sum(
+        1
+        for item in sched_out.scheduled
+        if len(item.token_ids) == 1 and item.start_pos >= len(item.prompt_token_ids)
+    )
+    stats = IterationStats(
+        num_batched_tokens=sched_out.num_batched_tokens,
+        # Decode tokens are single tokens past the prompt; everything else is (re)prefill.
+        num_prefill_tokens=sched_out.num_batched_tokens - num_decode_tokens,
+        num_prompt_tokens=sum(u.request.num_prompt_tokens for u in updates if u.prev_token_time is None),
+        num_generation_tokens=len(runner_out.req_ids),
+        num_running_seqs=len(sched_out.scheduled),
+        num_preemptions=num_preemptions,
+        schedule_s=schedule_s,
+        prepare_s=runner_out.prepare_s,
+        forward_s=runner_out.forward_s,
+        sample_s=runner_out.sample_s,
+        update_s=update_s,
+    )
+    for upd in updates:
+        req = upd.request
+        if upd.prev_token_time is None:
+            stats.time_to_first_tokens.append(req.first_token_time - req.arrival_time)
+        else:
+            stats.inter_token_latencies.append(req.last_token_time - upd.prev_token_time)
+        if req.is_finished:
+            stats.finished.append(
+                FinishedRequestStats(
+                    finish_reason=req.finish_reason,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_generation_tokens=req.num_output_tokens,
+                    arrival_time=req.arrival_time,
+                    scheduled_time=req.scheduled_time,
+                    first_token_time=req.first_token_time,
+                    finished_time=req.finished_time,
+                    num_preemptions=req.num_preemptions,
+                )
+            )
+    return stats

@@ -1,12 +1,18 @@
 """Paged-attention and KV-cache kernels behind one interface.
 
 ``get_backend(name, device)`` returns an ``AttentionBackend`` whose ops all have the signatures of
-``kvpilot.kernels.torch_ops``. The backend is chosen once, at engine start-up.
+``kvpilot.kernels.torch_ops``. The backend is chosen once, at engine start-up, from the
+``attention_backend`` engine argument.
+
+Modules:
+
+* ``metadata``: ``AttentionMetadata``, the per-step tensors every backend reads.
+* ``torch_ops``: the pure-torch ops, the reference for the Triton kernels and the CPU path.
+* ``triton_ops``: the Triton kernels with the same signatures (compiled on CUDA, interpreted on CPU).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,10 +35,8 @@ class AttentionBackend:
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
-    """``auto`` -> ``triton`` on CUDA when triton imports, else ``torch``. The environment variable
-    ``KVPILOT_ATTENTION_BACKEND`` overrides ``auto``."""
-    if name == "auto":
-        name = os.environ.get("KVPILOT_ATTENTION_BACKEND", "auto")
+    """``auto`` -> ``triton`` on CUDA when triton imports, else ``torch``; an explicit name as is.
+    Raises ``ValueError`` for an unknown name."""
     if name == "auto":
         if device_type == "cuda":
             try:

@@ -5,16 +5,12 @@ Shapes:
   key, value:       [num_tokens, num_kv_heads, head_size]
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_size]
 
-How attention runs on CPU (measured in ``benchmarks/attention_cpu.py``): each request's blocks are
-gathered with ``index_select`` into a contiguous buffer and ``scaled_dot_product_attention`` reads
-the buffer as a strided ``[reqs, kv_heads, tokens, head_size]`` view (no transpose copy). For 64
-decodes of 512 tokens (bf16, 4 KV heads of 64, one thread) a layer is then about half gather (reading
-the scattered blocks from DRAM) and half SDPA (its CPU flash kernel, compute-bound at one query row).
-What changed against the first version:
+How attention runs on CPU: each request's blocks are gathered with ``index_select`` into a contiguous
+buffer and ``scaled_dot_product_attention`` reads the buffer as a strided
+``[reqs, kv_heads, tokens, head_size]`` view (no transpose copy).
 
 - The gather buffers are allocated once per step (in ``metadata.derived``) and reused by every layer
-  and every chunk. Gathering into fresh tensors costs page faults on every layer, which made the
-  first version's time swing between about 1x and 4x of this one's with the allocator's state.
+  and every chunk: gathering into fresh tensors costs page faults on every layer.
 - Decodes are sorted by length and attended in as few chunks as possible (see
   ``_DECODE_CHUNK_BYTES``): a chunk is padded only to its own longest member.
 - Block ids, masks and the chunking are computed once per step, not once per layer; chunks whose

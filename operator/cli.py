@@ -158,9 +158,8 @@ def _load_documents(filename: str) -> list[Any]:
 
 def render_documents(documents: list[Any], namespace: str | None = None) -> tuple[list[dict], list[str]]:
     """(children of every valid InferenceService, error lines) for parsed YAML documents."""
+    from kvpilot.operator.api.settings import resolve
     from kvpilot.operator.render.builders import build_children
-    from kvpilot.operator.api.effective import resolve_effective
-    from kvpilot.operator.api.validation import validate
 
     children: list[dict] = []
     errors: list[str] = []
@@ -175,11 +174,11 @@ def render_documents(documents: list[Any], namespace: str | None = None) -> tupl
         if namespace and not (doc.get("metadata") or {}).get("namespace"):
             doc.setdefault("metadata", {})["namespace"] = namespace
         label = f"{names.KIND} {(doc.get('metadata') or {}).get('name', f'#{index}')}"
-        problems = validate(doc)
-        if problems:
-            errors += [f"{label}: {p}" for p in problems]
+        settings = resolve(doc)
+        if not settings.is_valid:
+            errors += [f"{label}: {p}" for p in settings.problems]
             continue
-        children += build_children(doc, resolve_effective(doc))
+        children += build_children(settings)
     if not found:
         errors.append(f"no {names.KIND} ({names.API_VERSION}) found")
     return children, errors
@@ -264,7 +263,8 @@ def run_operator(args: argparse.Namespace) -> int:
             return 2
     import kopf
 
-    from kvpilot.operator.handlers import OperatorOptions, build_registry, new_memo
+    from kvpilot.operator.handlers import build_registry, new_memo
+    from kvpilot.operator.options import OperatorOptions
 
     options = OperatorOptions(
         namespaces=tuple(dict.fromkeys(args.namespaces)),

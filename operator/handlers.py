@@ -1,4 +1,5 @@
-"""The kopf side of the operator: settings, login, and thin handlers around ``reconcile``.
+"""The kopf side of the operator: settings, login, and a thin registry of handlers around the
+:class:`~kvpilot.operator.reconcile.reconciler.Reconciler` and the remediation loop.
 
 Triggers for one pass over an InferenceService (all serialised per object):
 
@@ -7,7 +8,7 @@ Triggers for one pass over an InferenceService (all serialised per object):
   or deletion -> re-applied at once);
 - a resync loop every ``resync_interval`` seconds over every InferenceService in scope (repairs
   drift in children that are not watched, e.g. a deleted Service);
-- the remediation loop (``autotuner``) every ``scrape_interval`` seconds, when it changes
+- the remediation loop (``remediation.loop``) every ``scrape_interval`` seconds, when it changes
   ``status.effective`` in Auto mode.
 
 The resync and the remediation loop are plain tasks rather than kopf timers on purpose: kopf puts a
@@ -19,39 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import datetime
 import functools
 import logging
-import uuid
 from typing import Any
 
 import kopf
 
 from kvpilot.operator.api import names
-from kvpilot.operator.remediation.loop import Autotuner, AutotunerOptions
-from kvpilot.operator.render.builders import build_event
-from kvpilot.operator.kube import ApiError, KubeClient, object_path
-from kvpilot.operator.reconcile.reconciler import Outcome, reconcile
-from kvpilot.operator.reconcile.status import rfc3339
+from kvpilot.operator.api.rest import ApiError
+from kvpilot.operator.kube import KubeClient
+from kvpilot.operator.options import OperatorOptions
+from kvpilot.operator.reconcile.reconciler import Outcome, Reconciler, post_event
+from kvpilot.operator.remediation.loop import Autotuner
 
 ISVC = (names.GROUP, names.VERSION, names.PLURAL)
-
-
-@dataclasses.dataclass(frozen=True)
-class OperatorOptions:
-    """How ``kvpilot operator`` runs (from the command line)."""
-
-    namespaces: tuple[str, ...] = ()
-    clusterwide: bool = False
-    resync_interval: float = 300.0
-    watch_timeout: float = 300.0
-    service_monitors: bool = False
-    scrape_interval: float = 15.0
-    scrape_timeout: float = 3.0
-    record: str | None = None
-
-
 LOG = logging.getLogger("kvpilot.operator")
 
 
@@ -63,75 +45,6 @@ def _login(settings: kopf.OperatorSettings, logger: logging.Logger | Any = LOG) 
     if info is None:
         raise kopf.LoginError("no Kubernetes credentials: neither a service account nor a kubeconfig")
     return info
-
-
-class Reconciler:
-    """Runs reconcile passes: one at a time per object, always on a fresh read of it."""
-
-    def __init__(self, kube: KubeClient, options: OperatorOptions) -> None:
-        self.kube = kube
-        self.options = options
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-
-    def lock(self, namespace: str, name: str) -> asyncio.Lock:
-        """The lock that serialises every write to one InferenceService (reconcile and remediation)."""
-        return self._locks.setdefault((namespace, name), asyncio.Lock())
-
-    async def run(self, namespace: str, name: str, logger: Any, announce: bool = False) -> Outcome:
-        """Reconcile one InferenceService by name; ``Outcome.gone`` when it no longer exists.
-
-        ``announce``: the pass follows a spec change or a (re)start, so one-off warnings are posted.
-        """
-        async with self.lock(namespace, name):
-            isvc = await self.kube.get(object_path(names.API_VERSION, names.KIND, namespace, name))
-            if isvc is None:
-                self._locks.pop((namespace, name), None)
-                return Outcome(gone=True)
-
-            async def emit(type_: str, reason: str, message: str) -> None:
-                """Post an Event about this InferenceService."""
-                await post_event(self.kube, isvc, type_, reason, message, logger)
-
-            outcome = await reconcile(
-                self.kube, isvc, emit, service_monitors=self.options.service_monitors, announce=announce
-            )
-            for line in outcome.written:
-                logger.info(line)
-            return outcome
-
-    async def resync_forever(self, logger: Any) -> None:
-        """Reconcile every InferenceService in scope every ``resync_interval`` seconds."""
-        scopes = [None] if self.options.clusterwide else list(self.options.namespaces)
-        while True:
-            await asyncio.sleep(self.options.resync_interval)
-            for namespace in scopes:
-                try:
-                    listing = await self.kube.request(
-                        "GET", object_path(names.API_VERSION, names.KIND, namespace)
-                    )
-                except ApiError as exc:
-                    logger.warning(
-                        f"resync: cannot list {names.PLURAL} in {namespace or 'all namespaces'}: {exc}"
-                    )
-                    continue
-                for item in listing.get("items") or []:
-                    meta = item["metadata"]
-                    try:
-                        await self.run(meta["namespace"], meta["name"], logger)
-                    except Exception as exc:  # one broken object must not stop the resync of the others
-                        logger.warning(f"resync of {meta['namespace']}/{meta['name']} failed: {exc!r}")
-
-
-async def post_event(
-    kube: KubeClient, isvc: dict, type_: str, reason: str, message: str, logger: Any
-) -> None:
-    """Post a Kubernetes Event about ``isvc``; a failure is logged, never raised (events are best effort)."""
-    now = datetime.datetime.now(datetime.UTC)
-    body = build_event(isvc, type_, reason, message, rfc3339(now), uuid.uuid4().hex[:16])
-    try:
-        await kube.create(body)
-    except ApiError as exc:
-        logger.warning(f"cannot post event {reason}: {exc}")
 
 
 def _raise_for(outcome: Outcome) -> None:
@@ -167,25 +80,15 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         )
         # Only warnings and errors become Kubernetes Events; the operator posts its own Normal ones.
         settings.posting.level = logging.WARNING
-        memo.reconciler = Reconciler(memo.kube, options)
-        memo.resync = asyncio.create_task(memo.reconciler.resync_forever(LOG))
 
         async def emit(isvc: dict, type_: str, reason: str, message: str) -> None:
             await post_event(memo.kube, isvc, type_, reason, message, LOG)
 
-        memo.autotuner = Autotuner(
-            memo.kube,
-            AutotunerOptions(
-                namespaces=options.namespaces,
-                clusterwide=options.clusterwide,
-                scrape_interval=options.scrape_interval,
-                scrape_timeout=options.scrape_timeout,
-                record=options.record,
-                service_monitors=options.service_monitors,
-            ),
-            memo.reconciler.lock,
-            emit,
+        memo.reconciler = Reconciler(memo.kube, emit, service_monitors=options.service_monitors)
+        memo.resync = asyncio.create_task(
+            memo.reconciler.resync_forever(options.scopes, options.resync_interval, LOG)
         )
+        memo.autotuner = Autotuner(memo.kube, options, memo.reconciler)
         memo.remediation = asyncio.create_task(memo.autotuner.run_forever(LOG))
 
     @kopf.on.login(id="login", registry=registry)

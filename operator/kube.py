@@ -19,56 +19,9 @@ from typing import Any
 import aiohttp
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.rest import ApiError, object_path, path_of
 
-# kind -> plural for the kinds the operator reads or writes.
-PLURALS = {
-    "Deployment": "deployments",
-    "Service": "services",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-    "ServiceMonitor": "servicemonitors",
-    "Event": "events",
-    "Pod": "pods",
-    names.KIND: names.PLURAL,
-}
 REQUEST_TIMEOUT_S = 30
-
-
-class ApiError(Exception):
-    """The API server refused a request (``status`` is the HTTP status; 0 for no answer)."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"{status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
-
-    @property
-    def is_transient(self) -> bool:
-        """Whether retrying later can succeed (no answer, throttling, server errors)."""
-        return self.status == 0 or self.status == 429 or self.status >= 500
-
-
-def object_path(
-    api_version: str,
-    kind: str,
-    namespace: str | None,
-    name: str | None = None,
-    subresource: str | None = None,
-) -> str:
-    """The REST path of an object (or of the collection when ``name`` is None)."""
-    prefix = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    path = prefix + (f"/namespaces/{namespace}" if namespace else "") + f"/{PLURALS[kind]}"
-    if name:
-        path += f"/{name}"
-    if subresource:
-        path += f"/{subresource}"
-    return path
-
-
-def path_of(obj: dict[str, Any], subresource: str | None = None) -> str:
-    """The REST path of ``obj`` (from its apiVersion, kind, namespace and name)."""
-    meta = obj["metadata"]
-    return object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"], subresource)
 
 
 class KubeClient:
@@ -119,6 +72,12 @@ class KubeClient:
         content_type: str = "application/json",
     ) -> dict[str, Any]:
         """One API call; returns the decoded JSON body or raises ApiError."""
+        return await self._send(method, path, params, body, content_type)
+
+    async def _send(
+        self, method: str, path: str, params: dict[str, str] | None, body: Any, content_type: str
+    ) -> dict[str, Any]:
+        """The transport under :meth:`request` (an HTTP session to the API server)."""
         await asyncio.wait_for(self._ready.wait(), REQUEST_TIMEOUT_S)
         for attempt in (1, 2):
             if self._session is None or self._session.closed:

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.engine.errors import UnsupportedModelError  # noqa: F401 (re-exported)
+from kvpilot.engine.errors import UnsupportedModelError
 
 # Architectures this engine implements, and what distinguishes them from plain Llama.
 SUPPORTED_ARCHITECTURES = {

@@ -1,10 +1,17 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch, for one rank.
 
 There is no batch dimension: ``input_ids`` and ``positions`` are ``[num_tokens]`` for all requests of
 the step together (prefill chunks and decodes mixed); attention finds each request's context through
 the ``AttentionMetadata`` block tables. Numerics follow Hugging Face transformers' implementation
 (RMSNorm in float32, rotary tables in float32 cast to the activation dtype) so that greedy outputs
 match it token for token.
+
+One model for every parallel size: a rank holds its ``RankShard`` of the model, with the tensor-parallel
+layers of ``kvpilot.engine.models.layers`` (the identity at size 1) and only its pipeline stage's layers.
+The first stage embeds, later stages receive their input activations from the previous one; the last
+stage normalises and holds the LM head, the others send their output on. Parameter names are the
+checkpoint's without its ``model.`` prefix (``layers.3.mlp.down_proj.weight``), except for the fused
+``qkv_proj`` and ``gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.layers import (
+    Comm,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    SingleRankComm,
+    VocabParallelEmbedding,
+)
+from kvpilot.engine.parallel.layout import ParallelLayout, RankShard
 from kvpilot.kernels import AttentionBackend, AttentionMetadata
 
 
@@ -84,19 +101,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    """This rank's attention heads (and KV heads) of one layer."""
+
+    def __init__(self, cfg: ModelConfig, shard: RankShard, comm: Comm, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.head_dim = d = cfg.head_dim
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = d**-0.5
         # q, k and v projections fused into one matmul; the loader fills the row ranges.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            d,
+            shard.q_head_start,
+            shard.num_heads,
+            shard.kv_head_start,
+            shard.num_kv_heads,
+            cfg.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            self.q_size, cfg.hidden_size, cfg.o_bias, shard.q_head_start * d, comm
+        )
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
 
     def forward(
@@ -121,12 +150,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's slice of the intermediate dimension of one layer."""
+
+    def __init__(self, cfg: ModelConfig, shard: RankShard, comm: Comm) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        self.intermediate_size = inter = shard.intermediate_size
+        start = shard.intermediate_start
         # gate and up projections fused into one matmul.
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, 2, inter, start, cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, start, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -134,37 +166,67 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, shard: RankShard, comm: Comm, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, shard, comm, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, comm)
 
     def forward(self, x, cos_sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
-    """The decoder stack plus LM head. ``forward`` returns final hidden states; ``compute_logits``
-    projects the rows that need sampling."""
+class HeldByOtherStage(nn.Module):
+    """Stands where a module of another pipeline stage would be (it keeps the global layer indices, and
+    the loader skips the checkpoint tensors below it)."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module is held by another pipeline stage")
+
+
+class LlamaForCausalLM(nn.Module):
+    """One rank's share of the model (all of it at size 1): ``config`` is the whole model's config,
+    ``shard`` what this rank holds (default: everything), ``comm`` its collectives (default: none).
+
+    The stage holds ``layers[layer_start:layer_end]``; the other layers, and the embedding, norm and
+    head where another stage holds them, are ``HeldByOtherStage`` placeholders. ``lm_head`` is None
+    where the tied embedding table serves as the head (a last stage that also embeds); a last stage
+    that does not embed holds its own copy of the tied table.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        shard: RankShard | None = None,
+        comm: Comm | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.shard = shard = ParallelLayout(1, 1, cfg).shard(0) if shard is None else shard
+        self.comm = comm = SingleRankComm() if comm is None else comm
+        hidden = cfg.hidden_size
+        vocab = (shard.num_vocab_rows, hidden, shard.vocab_start, cfg.vocab_size, comm)
+        self.embed_tokens = VocabParallelEmbedding(*vocab) if shard.is_first_stage else HeldByOtherStage()
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, shard, comm, backend)
+            if shard.layer_start <= i < shard.layer_end
+            else HeldByOtherStage()
+            for i in range(cfg.num_hidden_layers)
+        )
+        # A plain list (not registered twice): the layers this stage runs, in order.
+        self.stage_layers = list(self.layers)[shard.layer_start : shard.layer_end]
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps) if shard.is_last_stage else HeldByOtherStage()
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        if cfg.tie_word_embeddings:
+        if not shard.is_last_stage:
+            self.lm_head = HeldByOtherStage()
+        elif cfg.tie_word_embeddings and shard.is_first_stage:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.lm_head = ParallelLMHead(*vocab)
 
     def forward(
         self,
@@ -173,12 +235,25 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """The normalised final hidden states on the last stage; elsewhere this stage's output, already
+        sent to the next stage."""
+        if self.shard.is_first_stage:
+            x = self.embed_tokens(input_ids)
+        else:
+            dtype = self.stage_layers[0].input_layernorm.weight.dtype
+            x = self.comm.recv_from_prev_stage((input_ids.shape[0], self.config.hidden_size), dtype)
         cos_sin = self.rotary.tables(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
             x = layer(x, cos_sin, kv_cache, meta)
+        if not self.shard.is_last_stage:
+            self.comm.send_to_next_stage(x)
+            return x
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> float32 logits [n, vocab]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden] -> float32 logits [n, vocab] on the sampling rank, None on every other rank
+        (tensor-parallel ranks of the last stage still take part in the gather)."""
+        if not self.shard.is_last_stage:
+            return None
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)

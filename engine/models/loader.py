@@ -1,4 +1,9 @@
-"""Load a Llama-family checkpoint from a Hugging Face directory (single or sharded safetensors)."""
+"""Load a Llama-family checkpoint (single or sharded safetensors) into one rank's model.
+
+The loader walks the checkpoint's tensor names once and maps each to the parameter it fills (and the
+part of a fused parameter, the shard id); the parameter's weight loader reads only this rank's part of
+the tensor (``kvpilot.engine.models.layers``). Tensors of other pipeline stages are skipped unread.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,28 @@ import glob
 import json
 import logging
 import os
-import re
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvpilot.engine.models.config import ModelConfig
-from kvpilot.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+from kvpilot.engine.models.layers import Comm, ShardId, default_weight_loader
+from kvpilot.engine.models.llama import HeldByOtherStage, LlamaForCausalLM, RotaryEmbedding
+from kvpilot.engine.parallel.layout import RankShard
 from kvpilot.kernels import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Checkpoint module -> (fused module of the model, shard id of its part).
+PACKED_MODULES: dict[str, tuple[str, ShardId]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_UNPACKED = {fused: name for name, fused in PACKED_MODULES.items()}
 
 
 def resolve_model_dir(model: str) -> str:
@@ -49,45 +64,41 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice | None] | None:
-    """Where checkpoint tensor ``name`` goes: (parameter, row slice of a fused parameter) or None."""
-    cfg = model.config
-    if name == "model.embed_tokens.weight":
-        return model.embed_tokens.weight, None
-    if name == "model.norm.weight":
-        return model.norm.weight, None
-    if name == "lm_head.weight":
-        return None if model.lm_head is None else (model.lm_head.weight, None)
-    m = _LAYER.match(name)
-    if m is None:
-        return None
-    layer = model.layers[int(m.group(1))]
-    rest = m.group(2)
-    attn, mlp = layer.self_attn, layer.mlp
-    q, kv, inter = attn.q_size, attn.kv_size, cfg.intermediate_size
-    fused = {
-        "self_attn.q_proj": (attn.qkv_proj, slice(0, q)),
-        "self_attn.k_proj": (attn.qkv_proj, slice(q, q + kv)),
-        "self_attn.v_proj": (attn.qkv_proj, slice(q + kv, q + 2 * kv)),
-        "mlp.gate_proj": (mlp.gate_up_proj, slice(0, inter)),
-        "mlp.up_proj": (mlp.gate_up_proj, slice(inter, 2 * inter)),
-    }
-    module_name, _, kind = rest.rpartition(".")
-    if module_name in fused:
-        module, rows = fused[module_name]
-        return getattr(module, kind), rows
-    plain = {
-        "self_attn.o_proj": attn.o_proj,
-        "mlp.down_proj": mlp.down_proj,
-        "input_layernorm": layer.input_layernorm,
-        "post_attention_layernorm": layer.post_attention_layernorm,
-        "self_attn.q_norm": attn.q_norm,
-        "self_attn.k_norm": attn.k_norm,
-    }
-    module = plain.get(module_name)
-    if module is None or not hasattr(module, kind):
-        return None
-    return getattr(module, kind), None
+def parameter_targets(name: str, tie_word_embeddings: bool) -> list[tuple[str, ShardId]]:
+    """The parameters checkpoint tensor ``name`` fills: ``[(parameter name, shard id)]``."""
+    param_name = name.removeprefix("model.")
+    if tie_word_embeddings and param_name == "embed_tokens.weight":
+        return [(param_name, None), ("lm_head.weight", None)]
+    module, _, kind = param_name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf in PACKED_MODULES:
+        fused, shard_id = PACKED_MODULES[leaf]
+        return [(f"{parent}.{fused}.{kind}", shard_id)]
+    return [(param_name, None)]
+
+
+def _checkpoint_name(param_name: str, shard_id: ShardId, tie_word_embeddings: bool) -> str:
+    """The checkpoint tensor that fills ``param_name``'s part ``shard_id`` (for error messages)."""
+    if param_name == "lm_head.weight":
+        return "model.embed_tokens.weight" if tie_word_embeddings else param_name
+    if shard_id is not None:
+        module, _, kind = param_name.rpartition(".")
+        parent, _, fused = module.rpartition(".")
+        param_name = f"{parent}.{_UNPACKED[(fused, shard_id)]}.{kind}"
+    return "model." + param_name
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rpartition(".")[0])
+
+
+def _on_other_stage(model: nn.Module, param_name: str) -> bool:
+    module: nn.Module | None = model
+    for part in param_name.split(".")[:-1]:
+        module = module._modules.get(part) if module is not None else None
+        if isinstance(module, HeldByOtherStage):
+            return True
+    return False
 
 
 def load_model(
@@ -97,39 +108,51 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    shard: RankShard | None = None,
+    comm: Comm | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model without initialising weights, then fill every parameter from the checkpoint.
+    """Build this rank's model (the whole model by default) without initialising weights, then fill
+    every parameter from the checkpoint.
 
-    Raises ``ValueError`` naming the parameters the checkpoint does not provide.
+    Raises ``ValueError`` naming the tensors the checkpoint lacks or whose shapes do not match.
     """
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions)
+        model = LlamaForCausalLM(cfg, backend, max_positions, shard, comm)
     model.to_empty(device=device)
     model.to(dtype)
     model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
 
+    tied = cfg.tie_word_embeddings
     params = dict(model.named_parameters())
-    filled: dict[int, int] = {}  # parameter id -> rows filled
+    filled: dict[str, set[ShardId]] = {name: set() for name in params}
     unexpected = []
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = _target(model, name)
-                if target is None:
-                    if not name.endswith("rotary_emb.inv_freq") and name != "lm_head.weight":
-                        unexpected.append(name)
-                    continue
-                param, rows = target
-                tensor = f.get_tensor(name)
-                dst = param.data if rows is None else param.data[rows]
-                if dst.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(dst.shape)}"
-                    )
-                dst.copy_(tensor)
-                filled[id(param)] = filled.get(id(param), 0) + tensor.shape[0]
-    missing = [n for n, p in params.items() if filled.get(id(p), 0) != p.shape[0]]
+                for param_name, shard_id in parameter_targets(name, tied):
+                    param = params.get(param_name)
+                    if param is None:
+                        skip = _on_other_stage(model, param_name) or param_name == "lm_head.weight"
+                        if not skip and not name.endswith("rotary_emb.inv_freq"):
+                            unexpected.append(name)
+                        continue
+                    # A parameter's weight loader is its module's method: to_empty() and to(dtype)
+                    # replace the parameter objects, so an attribute set on them would not survive.
+                    weight_loader = getattr(_owner(model, param_name), "weight_loader", default_weight_loader)
+                    sl = f.get_slice(name)
+                    try:
+                        weight_loader(param, sl, shard_id)
+                    except ValueError as exc:
+                        raise ValueError(
+                            f"checkpoint tensor {name} (shape {tuple(sl.get_shape())}) {exc}"
+                        ) from None
+                    filled[param_name].add(shard_id)
+    missing = [
+        _checkpoint_name(param_name, shard_id, tied)
+        for param_name in params
+        for shard_id in getattr(_owner(model, param_name), "shard_ids", (None,))
+        if shard_id not in filled[param_name]
+    ]
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(sorted(missing)[:8])}")
     if unexpected:

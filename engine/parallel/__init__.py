@@ -1,7 +1,17 @@
-"""Tensor and pipeline parallelism: the layout of ranks, the sharded model, and the executors.
+"""Tensor and pipeline parallelism: the layout of ranks, the ranks, and the executors.
 
-``layout`` is torch-free (the operator may import it to choose valid sizes); the other names load
-lazily, so importing this package does not import torch.
+Modules:
+
+* ``layout``: how a model splits over tensor-parallel ranks and pipeline stages (torch-free; the
+  operator imports it to choose valid sizes).
+* ``comm``: the process groups of one rank (all-reduce, gather, stage-to-stage send/recv).
+* ``rank``: one rank's model share, KV cache and runner, built the same way at every size.
+* ``executor``: the ``Executor`` interface, its one-process implementation and ``create_executor``.
+* ``multiproc``: the driver of a parallel engine (rank 0 here, one worker process per other rank).
+* ``supervision``: how the driver watches its worker processes (exits, reported errors, reaping).
+* ``worker``: the worker process's loop and its pipe protocol.
+
+The names below load lazily, so importing this package does not import torch.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ _EXPORTS = {
     "ExecutorSpec": "kvpilot.engine.parallel.executor",
     "MultiProcExecutor": "kvpilot.engine.parallel.multiproc",
     "UniProcExecutor": "kvpilot.engine.parallel.executor",
-    "WorkerDiedError": "kvpilot.engine.parallel.executor",
+    "WorkerDiedError": "kvpilot.engine.errors",
     "create_executor": "kvpilot.engine.parallel.executor",
 }
 

@@ -5,7 +5,7 @@ Process groups are built directly on a ``TCPStore`` that the driver serves on 12
 by the OS): no ``init_process_group``, so no process-global state, and several engines can live in one
 process one after the other (tests do). Gloo on CPU binds to the loopback interface only; NCCL on CUDA.
 
-Every operation has a timeout (``KVPILOT_DIST_TIMEOUT_S``, default 300 s): a peer that hangs makes the
+Every operation has a timeout (the ``distributed_timeout_s`` engine argument): a peer that hangs makes the
 others raise instead of waiting forever. A peer that dies is noticed at once on gloo (its sockets close:
 "Connection closed by peer"); the driver's watchdog aborts NCCL groups when a worker process exits.
 """
@@ -13,7 +13,6 @@ others raise instead of waiting forever. A peer that dies is noticed at once on 
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,22 +20,7 @@ import torch.distributed as dist
 
 from kvpilot.engine.parallel.layout import ParallelLayout, RankShard
 
-DEFAULT_TIMEOUT_S = 300.0
 LOOPBACK = "127.0.0.1"
-
-
-def collective_timeout_s() -> float:
-    """The per-operation timeout: ``KVPILOT_DIST_TIMEOUT_S`` seconds, default 300."""
-    raw = os.environ.get("KVPILOT_DIST_TIMEOUT_S")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise ValueError(f"KVPILOT_DIST_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -46,7 +30,7 @@ class CommSpec:
     port: int  # the driver's TCPStore on 127.0.0.1
     world_size: int
     backend: str  # "gloo" | "nccl"
-    timeout_s: float
+    timeout_s: float  # of every collective and of the rendezvous
 
 
 def serve_store(world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -62,7 +46,8 @@ def serve_store(world_size: int, timeout_s: float) -> dist.TCPStore:
 
 
 class ParallelComm:
-    """The process groups of one rank. ``store`` is the driver's own store (rank 0) or None (connect)."""
+    """The process groups of one rank (a ``kvpilot.engine.models.layers.Comm``). ``store`` is the
+    driver's own store (rank 0) or None (connect)."""
 
     def __init__(
         self,
@@ -77,6 +62,7 @@ class ParallelComm:
         self.shard = shard
         self.device = device
         self.tp_size = layout.tensor_parallel_size
+        self.tp_rank = shard.tp_rank
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         if store is None:
             store = dist.TCPStore(LOOPBACK, spec.port, spec.world_size, is_master=False, timeout=timeout)

@@ -1,29 +1,31 @@
 """Executors: how ``LLMEngine`` runs the model -- in its own process, or over parallel ranks.
 
 An ``Executor`` loads the model, sizes and allocates the KV cache, and runs each step's
-``SchedulerOutput``. ``UniProcExecutor`` wraps one ``ModelRunner`` in the engine's process;
-``MultiProcExecutor`` (``multiproc``) runs rank 0 there and one worker process per other rank.
+``SchedulerOutput``. Both drive ``Rank``s (``rank``): ``UniProcExecutor`` holds the only one in the
+engine's process; ``MultiProcExecutor`` (``multiproc``) holds rank 0 there and one worker process per
+other rank.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.engine.config import EngineArgs
-from kvpilot.engine.errors import WorkerDiedError  # noqa: F401 (re-exported)
-from kvpilot.engine.memory import GiB, KVPoolPlan
+from kvpilot.engine.memory import KVPoolPlan
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.models.config import ModelConfig
-from kvpilot.engine.models.loader import load_model
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.parallel.layout import ParallelLayout
-from kvpilot.engine.parallel.runner import plan_rank_kv_pool
-from kvpilot.engine.sampler import Sampler
-from kvpilot.engine.scheduler import SchedulerOutput
+from kvpilot.engine.parallel.rank import Rank, RankSpec
+from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.kernels import AttentionBackend
+
+if TYPE_CHECKING:
+    from kvpilot.engine.parallel.comm import CommSpec
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,21 @@ class ExecutorSpec:
     backend: AttentionBackend
     max_model_len: int
     max_num_batched_tokens: int
+
+    def rank_spec(self, comm: CommSpec | None = None) -> RankSpec:
+        """What every rank of this engine builds itself from (``comm``: None for one rank)."""
+        return RankSpec(
+            model_dir=self.model_dir,
+            model_config=self.model_config,
+            args=self.args,
+            layout=self.layout,
+            comm=comm,
+            dtype=self.dtype,
+            device_type=self.device.type,
+            attention_backend=self.backend.name,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
 
 
 class Executor(ABC):
@@ -69,33 +86,16 @@ class Executor(ABC):
         """Stop any worker process (idempotent)."""
 
 
-def _cpu_swap_blocks(args: EngineArgs, bytes_per_block: int) -> int:
-    # The CPU swap pool exists only in swap mode: swap_space GiB of host memory (per rank).
-    return int(args.swap_space * GiB) // bytes_per_block if args.preemption_mode == "swap" else 0
-
-
 class UniProcExecutor(Executor):
-    """The whole model in the engine's process."""
+    """The whole model in the engine's process: its one ``Rank``."""
 
     def __init__(self, spec: ExecutorSpec) -> None:
-        cfg, args = spec.model_config, spec.args
-        model = load_model(
-            spec.model_dir, cfg, spec.backend, spec.dtype, spec.device, max(spec.max_model_len, 1)
-        )
-        sampler = Sampler(args.seed, spec.device)
-        self.runner = ModelRunner(model, spec.backend, spec.device, args.block_size, sampler)
-        self.kv_plan = plan_rank_kv_pool(
-            self.runner,
-            cfg,
-            args,
-            spec.dtype,
-            spec.device,
-            spec.max_model_len,
-            spec.max_num_batched_tokens,
-            cfg.vocab_size,
-        )
-        self.num_cpu_blocks = _cpu_swap_blocks(args, self.kv_plan.bytes_per_block)
-        self.runner.allocate_kv_cache(self.kv_plan.num_blocks, self.num_cpu_blocks)
+        self.rank = Rank(spec.rank_spec(), 0, device=spec.device)
+        self.rank.load()
+        self.runner = self.rank.runner
+        self.kv_plan = self.rank.plan_kv()
+        self.num_cpu_blocks = self.rank.num_cpu_blocks()
+        self.rank.allocate(self.kv_plan.num_blocks, self.num_cpu_blocks)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched_out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpilot.engine.config import ConfigError
+from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.models.config import ModelConfig
 
 

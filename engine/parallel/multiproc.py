@@ -17,7 +17,8 @@ Failure is fatal and fast: a worker that raises reports its exception and exits;
 is seen at once (the collectives' sockets close; a watchdog thread waits on the worker processes'
 sentinels). The step in flight, and every later call, raises ``WorkerDiedError`` naming the rank, its
 pid and how it ended; the remaining workers are stopped. Nothing waits without a bound: collectives time
-out (``KVPILOT_DIST_TIMEOUT_S``) and replies are awaited together with the worker's process sentinel.
+out (engine argument ``distributed_timeout_s``) and replies are awaited together with the worker's
+process sentinel.
 """
 
 from __future__ import annotations
@@ -26,86 +27,34 @@ import dataclasses
 import logging
 import os
 import pickle
-import signal
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from multiprocessing import connection
 
 import torch
 import torch.multiprocessing as mp
 
+from kvpilot.engine.errors import WorkerDiedError
 from kvpilot.engine.memory import format_bytes
 from kvpilot.engine.outputs import ModelRunnerOutput
-from kvpilot.engine.parallel.comm import CommSpec, collective_timeout_s, serve_store
-from kvpilot.engine.parallel.executor import Executor, ExecutorSpec, WorkerDiedError
+from kvpilot.engine.parallel.comm import CommSpec, serve_store
+from kvpilot.engine.parallel.executor import Executor, ExecutorSpec
 from kvpilot.engine.parallel.rank import Rank, RankReport, RankSpec
+from kvpilot.engine.parallel.supervision import (
+    DIAGNOSE_GRACE_S,
+    SHUTDOWN_WAIT_S,
+    RemoteTraceback,
+    WorkerHandle,
+    WorkerRaised,
+    how_ended,
+    reap,
+    watchdog,
+)
 from kvpilot.engine.parallel.worker import encode, worker_main
-from kvpilot.engine.scheduler import SchedulerOutput
+from kvpilot.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("kvpilot.engine.parallel")
-
-# After a collective fails, how long to wait for the worker behind it to be seen exiting.
-_DIAGNOSE_GRACE_S = 2.0
-_SHUTDOWN_WAIT_S = 5.0
-
-
-@dataclass
-class _Worker:
-    rank: int
-    process: mp.Process
-    conn: connection.Connection
-
-
-class _WorkerRaised(Exception):
-    """A worker reported an exception (``error``, with its traceback as the cause)."""
-
-    def __init__(self, w: _Worker, error: BaseException) -> None:
-        super().__init__(
-            f"parallel worker rank {w.rank} (pid {w.process.pid}): {type(error).__name__}: {error}"
-        )
-        self.error = error
-
-
-class _RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker (shown as the cause)."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
-
-
-def _ended(process: mp.Process, wait_s: float = _DIAGNOSE_GRACE_S) -> str:
-    """How ``process`` ended, e.g. ``was killed by SIGKILL``. Two threads (the step and the watchdog) may
-    reap it at once, and the one that loses the race sees no exit code for a moment: poll for it."""
-    deadline = time.monotonic() + wait_s
-    code = process.exitcode
-    while code is None and time.monotonic() < deadline:
-        process.join(0.02)
-        code = process.exitcode
-    if code is None:
-        return "stopped responding"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _reap(processes: list[mp.Process], conns: list[connection.Connection]) -> None:
-    """Kill what is still running and close the pipes (also the finaliser of a forgotten executor)."""
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    for process in processes:
-        process.join(_SHUTDOWN_WAIT_S)
-    for conn in conns:
-        conn.close()
 
 
 class MultiProcExecutor(Executor):
@@ -115,7 +64,7 @@ class MultiProcExecutor(Executor):
         layout = spec.layout
         self.layout = layout
         self.backend_name = "nccl" if spec.device.type == "cuda" else "gloo"
-        self._workers: list[_Worker] = []
+        self._workers: list[WorkerHandle] = []
         self._dead: WorkerDiedError | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -134,27 +83,16 @@ class MultiProcExecutor(Executor):
                     layout.world_size,
                     os.cpu_count(),
                 )
-        timeout_s = collective_timeout_s()
+        timeout_s = spec.args.distributed_timeout_s
         store = serve_store(layout.world_size, timeout_s)
-        rank_spec = RankSpec(
-            model_dir=spec.model_dir,
-            model_config=spec.model_config,
-            args=spec.args,
-            layout=layout,
-            comm=CommSpec(store.port, layout.world_size, self.backend_name, timeout_s),
-            dtype=spec.dtype,
-            device_type=spec.device.type,
-            attention_backend=spec.backend.name,
-            max_model_len=spec.max_model_len,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-        )
+        rank_spec = spec.rank_spec(CommSpec(store.port, layout.world_size, self.backend_name, timeout_s))
         ctx = mp.get_context("spawn")
         self._stop_r, self._stop_w = os.pipe()
         self._watching = False
         processes: list[mp.Process] = []
         conns: list[connection.Connection] = []
         # Kills and reaps the workers if this executor is dropped without shutdown() (and at exit).
-        self._finalizer = weakref.finalize(self, _reap, processes, conns)
+        self._finalizer = weakref.finalize(self, reap, processes, conns)
         try:
             for rank in range(1, layout.world_size):
                 parent_conn, child_conn = ctx.Pipe()
@@ -168,7 +106,7 @@ class MultiProcExecutor(Executor):
                 process.start()
                 processes.append(process)
                 child_conn.close()
-                self._workers.append(_Worker(rank, process, parent_conn))
+                self._workers.append(WorkerHandle(rank, process, parent_conn))
             for w in self._workers:
                 self._recv(w)  # ("ready", pid): imports done; a crash on start-up is seen here
             self.rank = self._join(rank_spec, store)
@@ -183,7 +121,7 @@ class MultiProcExecutor(Executor):
             self.rank.allocate(num_blocks, self.num_cpu_blocks)
             for w in self._workers:
                 self._recv(w)
-        except _WorkerRaised as exc:
+        except WorkerRaised as exc:
             self.shutdown()
             raise exc.error from exc.error.__cause__  # the worker's own exception, its traceback the cause
         except BaseException:
@@ -194,8 +132,12 @@ class MultiProcExecutor(Executor):
         self.runner = self.rank.runner
         self._sampler = next((w for w in self._workers if w.rank == layout.sampler_rank), None)
         threading.Thread(
-            target=_watchdog,
-            args=(weakref.ref(self), [w.process.sentinel for w in self._workers], self._stop_r),
+            target=watchdog,
+            args=(
+                weakref.WeakMethod(self._on_worker_exit),
+                [w.process.sentinel for w in self._workers],
+                self._stop_r,
+            ),
             name="kvpilot-worker-watchdog",
             daemon=True,
         ).start()
@@ -280,7 +222,7 @@ class MultiProcExecutor(Executor):
                     w.conn.send_bytes(encode(("shutdown",)))
                 except OSError:
                     pass
-            deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+            deadline = time.monotonic() + SHUTDOWN_WAIT_S
             for w in self._workers:
                 w.process.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()  # kills what did not exit, reaps, closes the pipes
@@ -313,7 +255,7 @@ class MultiProcExecutor(Executor):
                 slim = slim or encode((command, _without_sampling_inputs(sched_out)))
                 w.conn.send_bytes(slim)
 
-    def _read(self, w: _Worker) -> tuple | None:
+    def _read(self, w: WorkerHandle) -> tuple | None:
         """One message of ``w`` (None at end of file). The pipe is read under a lock: the watchdog may
         read the last words of a dead worker while a step waits on the same pipe."""
         with self._conn_lock:
@@ -322,7 +264,7 @@ class MultiProcExecutor(Executor):
             except (EOFError, OSError):
                 return None
 
-    def _recv(self, w: _Worker):
+    def _recv(self, w: WorkerHandle):
         """The next reply of ``w``, waiting on its pipe and on its process at once."""
         ready = connection.wait([w.conn, w.process.sentinel])
         if w.conn in ready:
@@ -333,15 +275,15 @@ class MultiProcExecutor(Executor):
                 return message[1]
         raise self._gone_error(w)
 
-    def _worker_raised(self, w: _Worker, message: tuple) -> _WorkerRaised:
+    def _worker_raised(self, w: WorkerHandle, message: tuple) -> WorkerRaised:
         _, error, tb = message
-        error.__cause__ = _RemoteTraceback(tb)
+        error.__cause__ = RemoteTraceback(tb)
         error.add_note(f"raised in parallel worker rank {w.rank} (pid {w.process.pid})")
-        raised = _WorkerRaised(w, error)
+        raised = WorkerRaised(w, error)
         raised.__cause__ = error
         return raised
 
-    def _gone_error(self, w: _Worker) -> WorkerDiedError:
+    def _gone_error(self, w: WorkerHandle) -> WorkerDiedError:
         """Why ``w`` is gone: the exception it reported before exiting, else how its process ended."""
         while True:
             with self._conn_lock:
@@ -359,12 +301,12 @@ class MultiProcExecutor(Executor):
         shard = self.layout.shard(w.rank)
         return WorkerDiedError(
             f"parallel worker rank {w.rank} (tensor-parallel rank {shard.tp_rank}, pipeline stage "
-            f"{shard.pp_rank}, pid {w.process.pid}) {_ended(w.process)}"
+            f"{shard.pp_rank}, pid {w.process.pid}) {how_ended(w.process)}"
             + (f" after {self._num_steps} steps" if self._num_steps else " during start-up")
             + "; the engine cannot continue without it and must be restarted"
         )
 
-    def _raised_error(self, raised: _WorkerRaised) -> WorkerDiedError:
+    def _raised_error(self, raised: WorkerRaised) -> WorkerDiedError:
         error = WorkerDiedError(
             f"{raised} (after {self._num_steps} steps); the engine cannot continue and must be restarted"
         )
@@ -374,7 +316,7 @@ class MultiProcExecutor(Executor):
     def _diagnose(self) -> WorkerDiedError | None:
         """After a failed step: the worker behind it (its error report, or its exit), waiting a little
         for it to be seen gone."""
-        deadline = time.monotonic() + _DIAGNOSE_GRACE_S
+        deadline = time.monotonic() + DIAGNOSE_GRACE_S
         while True:
             for w in self._workers:
                 if not w.process.is_alive():
@@ -388,7 +330,7 @@ class MultiProcExecutor(Executor):
         error = self._dead
         if error is None and isinstance(exc, WorkerDiedError):
             error = exc
-        if error is None and isinstance(exc, _WorkerRaised):
+        if error is None and isinstance(exc, WorkerRaised):
             error = self._raised_error(exc)
         if error is None and not isinstance(exc, Exception):
             error = WorkerDiedError(
@@ -466,15 +408,3 @@ def _without_sampling_inputs(out: SchedulerOutput) -> SchedulerOutput:
             for item in out.scheduled
         ],
     )
-
-
-def _watchdog(executor_ref: weakref.ref, sentinels: list[int], stop_fd: int) -> None:
-    try:
-        ready = connection.wait([*sentinels, stop_fd])
-    finally:
-        os.close(stop_fd)
-    if stop_fd in ready:
-        return
-    executor = executor_ref()
-    if executor is not None:
-        executor._on_worker_exit(ready[0])

@@ -19,7 +19,14 @@ from kvpilot import __version__
 from kvpilot.engine.server import protocol
 from kvpilot.engine.server.chat import create_chat_completion
 from kvpilot.engine.server.completions import create_completion
-from kvpilot.engine.server.errors import APIError, ClientDisconnected, error_body
+from kvpilot.engine.server.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    APIError,
+    ClientDisconnected,
+    error_body,
+    from_exception,
+)
 from kvpilot.engine.server.serving import ServerState
 
 logger = logging.getLogger("kvpilot.server")
@@ -92,29 +99,28 @@ def build_app(state: ServerState) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
         return JSONResponse(
-            error_body(str(exc.detail), "invalid_request_error", code=code),
+            error_body(str(exc.detail), INVALID_REQUEST, code=code),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+        return JSONResponse(error_body(str(exc), INVALID_REQUEST), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(
-            error_body(f"internal server error: {type(exc).__name__}", "server_error", code="internal_error"),
-            status_code=500,
-        )
+        error = from_exception(exc)
+        if error.status >= 500:  # a typed request error that got this far is the client's, not a bug
+            logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error.response()
 
     @app.get("/health")
     async def health() -> Response:
         if state.engine.is_healthy:
             return Response(status_code=200)
         return JSONResponse(
-            error_body(state.engine.health_detail, "server_error", code="engine_dead"), status_code=503
+            error_body(state.engine.health_detail, SERVER_ERROR, code="engine_dead"), status_code=503
         )
 
     @app.get("/version")

@@ -7,25 +7,25 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from kvpilot.engine.async_engine import PromptInput, RequestStream
 from kvpilot.engine.server import protocol
 from kvpilot.engine.server.errors import bad_request, not_supported
 from kvpilot.engine.server.serving import (
     ServerState,
-    SSEResponse,
     chat_logprobs,
     check_context,
     check_sampling,
+    choice,
     collect_final,
-    delta_logprobs,
-    guarded_stream,
     new_id,
-    sse_event,
     submit,
-    usage,
+    whole_response,
 )
+from kvpilot.engine.server.streaming import ChoiceDelta, ChunkShape, ChunkStream, SSEResponse
+
+_CHUNK = ChunkShape(object_type="chat.completion.chunk", content_key="delta")
 
 # Arguments of apply_chat_template that chat_template_kwargs must not override.
 _RESERVED_TEMPLATE_KWARGS = {
@@ -67,26 +67,10 @@ async def create_chat_completion(state: ServerState, body: dict[str, Any], reque
         logprobs = None
         if top_logprobs is not None and comp.logprobs is not None:
             logprobs = {"content": chat_logprobs(state, comp.token_ids, comp.logprobs, top_logprobs)}
-        choices.append(
-            {
-                "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text},
-                "logprobs": logprobs,
-                "finish_reason": comp.finish_reason,
-                "stop_reason": comp.stop_reason,
-            }
-        )
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": usage(len(prompt_ids), sum(len(comp.token_ids) for comp in out.outputs)),
-            "system_fingerprint": None,
-        }
-    )
+        message = {"role": "assistant", "content": comp.text}
+        choices.append(choice(comp.index, "message", message, logprobs, comp.finish_reason, comp.stop_reason))
+    num_completion = sum(len(comp.token_ids) for comp in out.outputs)
+    return whole_response(request_id, "chat.completion", model, choices, len(prompt_ids), num_completion)
 
 
 def render_chat(state: ServerState, req: protocol.ChatCompletionRequest) -> str:
@@ -142,7 +126,7 @@ def render_chat(state: ServerState, req: protocol.ChatCompletionRequest) -> str:
         ) from None
 
 
-async def _stream(
+def _stream(
     state: ServerState,
     req: protocol.ChatCompletionRequest,
     model: str,
@@ -150,81 +134,16 @@ async def _stream(
     num_prompt: int,
     rs: RequestStream,
 ) -> AsyncIterator[str]:
-    created = int(time.time())
-    opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
+    """``chat.completion.chunk`` events: the assistant role for every choice first, then ``delta``
+    content with chat-shaped logprobs."""
     top_logprobs = protocol.request_logprobs(req)
-    num_tokens = [0] * req.n
-    done: set[int] = set()
 
-    def chunk(
-        index: int,
-        delta: dict[str, Any],
-        logprobs: Any = None,
-        finish: str | None = None,
-        stop_reason: Any = None,
-    ) -> str:
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish,
-            "stop_reason": stop_reason,
-        }
-        payload: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-        if include_usage:
-            payload["usage"] = usage(num_prompt, sum(num_tokens)) if continuous else None
-        return sse_event(payload)
+    def content(d: ChoiceDelta) -> tuple[dict[str, str], Any]:
+        logprobs = None
+        if top_logprobs is not None:
+            logprobs = {"content": chat_logprobs(state, d.token_ids, d.logprobs, top_logprobs)}
+        return ({"content": d.text} if d.text else {}), logprobs
 
-    async def body() -> AsyncIterator[str]:
-        for i in range(req.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        async for outs in rs:
-            out = outs[-1]
-            for comp in out.outputs:
-                i = comp.index
-                if i in done:
-                    continue
-                new_ids = out.delta_token_ids[i]
-                num_tokens[i] += len(new_ids)
-                text = out.delta_text[i]
-                finish = comp.finish_reason
-                if not text and finish is None and (top_logprobs is None or not new_ids):
-                    continue
-                logprobs = None
-                if top_logprobs is not None:
-                    ids, entries = delta_logprobs(out, i, len(new_ids))
-                    logprobs = {"content": chat_logprobs(state, ids, entries, top_logprobs)}
-                if finish is not None:
-                    done.add(i)
-                yield chunk(
-                    i,
-                    {"content": text} if text else {},
-                    logprobs,
-                    finish,
-                    comp.stop_reason if finish else None,
-                )
-
-    def usage_chunk() -> str | None:
-        if not include_usage:
-            return None
-        return sse_event(
-            {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage(num_prompt, sum(num_tokens)),
-            }
-        )
-
-    async for event in guarded_stream(state, rs, body(), usage_chunk):
-        yield event
+    roles = [(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
+    chunks = ChunkStream(state, rs, req, _CHUNK, request_id, model, [request_id], num_prompt)
+    return chunks.events(content, roles)

@@ -25,11 +25,11 @@ from kvpilot.engine.config import (
     DEVICES,
     DTYPES,
     PREEMPTION_MODES,
-    ConfigError,
     EngineArgs,
     engine_arg_fields,
     flag_name,
 )
+from kvpilot.engine.errors import ConfigError
 
 logger = logging.getLogger("kvpilot.serve")
 

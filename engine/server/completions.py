@@ -7,27 +7,26 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from kvpilot.engine.async_engine import PromptInput, RequestStream
 from kvpilot.engine.server import protocol
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.serving import (
     ServerState,
-    SSEResponse,
     check_context,
     check_sampling,
+    choice,
     collect_final,
     completion_logprobs,
-    delta_logprobs,
-    guarded_stream,
     new_id,
-    sse_event,
     submit,
-    usage,
+    whole_response,
 )
+from kvpilot.engine.server.streaming import ChoiceDelta, ChunkShape, ChunkStream, SSEResponse
 
 MAX_PROMPTS = 2048  # OpenAI's limit on prompts per request
+_CHUNK = ChunkShape(object_type="text_completion", content_key="text")
 
 
 async def create_completion(state: ServerState, body: dict[str, Any], request: Request) -> Response:
@@ -59,28 +58,13 @@ async def create_completion(state: ServerState, body: dict[str, Any], request: R
             logprobs = None
             if req.logprobs is not None and comp.logprobs is not None:
                 logprobs = completion_logprobs(state, comp.token_ids, comp.logprobs, 0)
+            index = p * req.n + comp.index
             choices.append(
-                {
-                    "index": p * req.n + comp.index,
-                    "text": prefix + comp.text,
-                    "logprobs": logprobs,
-                    "finish_reason": comp.finish_reason,
-                    "stop_reason": comp.stop_reason,
-                }
+                choice(index, "text", prefix + comp.text, logprobs, comp.finish_reason, comp.stop_reason)
             )
     num_prompt = sum(len(ids) for _, ids in prompts)
     num_completion = sum(len(comp.token_ids) for out in finals.values() for comp in out.outputs)
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": usage(num_prompt, num_completion),
-            "system_fingerprint": None,
-        }
-    )
+    return whole_response(request_id, "text_completion", model, choices, num_prompt, num_completion)
 
 
 async def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
@@ -108,7 +92,7 @@ def _prompt_text(state: ServerState, text: str | None, ids: list[int]) -> str:
     return text if text is not None else state.tokenizer.decode(ids)
 
 
-async def _stream(
+def _stream(
     state: ServerState,
     req: protocol.CompletionRequest,
     model: str,
@@ -117,86 +101,24 @@ async def _stream(
     prompts: list[tuple[str | None, list[int]]],
     rs: RequestStream,
 ) -> AsyncIterator[str]:
-    created = int(time.time())
+    """``text_completion`` events: the prompts first (with ``echo``), then ``text`` deltas with legacy
+    logprobs whose ``text_offset`` runs on across a choice's chunks."""
     n = req.n
-    opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
-    num_prompt = sum(len(ids) for _, ids in prompts)
-    num_tokens = [0] * (len(prompts) * n)
     offsets = [0] * (len(prompts) * n)
-    done: set[int] = set()
-    prompt_index = {rid: p for p, rid in enumerate(request_ids)}
 
-    def chunk(choice: dict[str, Any]) -> str:
-        payload: dict[str, Any] = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-        if include_usage:
-            payload["usage"] = usage(num_prompt, sum(num_tokens)) if continuous else None
-        return sse_event(payload)
+    def content(d: ChoiceDelta) -> tuple[str, Any]:
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(state, d.token_ids, d.logprobs, offsets[d.index])
+            offsets[d.index] += sum(len(t) for t in logprobs["tokens"])
+        return d.text, logprobs
 
-    async def body() -> AsyncIterator[str]:
-        if req.echo:
-            for p, (text, ids) in enumerate(prompts):
-                for i in range(n):
-                    yield chunk(
-                        {
-                            "index": p * n + i,
-                            "text": _prompt_text(state, text, ids),
-                            "logprobs": None,
-                            "finish_reason": None,
-                            "stop_reason": None,
-                        }
-                    )
-        async for outs in rs:
-            for out in outs:
-                p = prompt_index[out.request_id]
-                for comp in out.outputs:
-                    i = comp.index
-                    idx = p * n + i
-                    if idx in done:
-                        continue
-                    new_ids = out.delta_token_ids[i]
-                    num_tokens[idx] += len(new_ids)
-                    text = out.delta_text[i]
-                    finish = comp.finish_reason
-                    if not text and finish is None and (req.logprobs is None or not new_ids):
-                        continue  # held back (partial character, possible stop string): nothing to say yet
-                    logprobs = None
-                    if req.logprobs is not None:
-                        ids, entries = delta_logprobs(out, i, len(new_ids))
-                        logprobs = completion_logprobs(state, ids, entries, offsets[idx])
-                        offsets[idx] += sum(len(t) for t in logprobs["tokens"])
-                    if finish is not None:
-                        done.add(idx)
-                    yield chunk(
-                        {
-                            "index": idx,
-                            "text": text,
-                            "logprobs": logprobs,
-                            "finish_reason": finish,
-                            "stop_reason": comp.stop_reason if finish else None,
-                        }
-                    )
-
-    def usage_chunk() -> str | None:
-        if not include_usage:
-            return None
-        return sse_event(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage(num_prompt, sum(num_tokens)),
-            }
-        )
-
-    async for event in guarded_stream(state, rs, body(), usage_chunk):
-        yield event
+    # Lazy, so that decoding the prompts happens inside the stream (whose end aborts the requests).
+    echoes = (
+        (p * n + i, _prompt_text(state, text, ids))
+        for p, (text, ids) in enumerate(prompts if req.echo else [])
+        for i in range(n)
+    )
+    num_prompt = sum(len(ids) for _, ids in prompts)
+    chunks = ChunkStream(state, rs, req, _CHUNK, request_id, model, request_ids, num_prompt)
+    return chunks.events(content, echoes)

@@ -3,6 +3,9 @@
 Status codes: 400 invalid parameters or prompts (``context_length_exceeded`` names the lengths), 401 a
 missing or wrong API key, 404 an unknown model or path, 413 a body over the size limit, 503 a full
 waiting queue (with ``Retry-After``) or a dead engine loop, 500 anything unexpected.
+
+The engine's typed errors (``kvpilot.engine.errors``) become HTTP answers in one place,
+:func:`from_exception`; an exception of any other type is a 500, never a 400.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -59,3 +64,24 @@ def not_supported(feature: str, param: str) -> APIError:
     return APIError(
         400, f"{feature} is not supported by this server", param=param, code="unsupported_parameter"
     )
+
+
+def from_exception(exc: BaseException, *, while_running: bool = False) -> APIError:
+    """The answer to an exception raised below the HTTP layer.
+
+    ``InvalidRequestError`` (``SamplingParamsError`` included): 400 ``invalid_request_error`` with
+    ``param`` "prompt" and the engine's message. ``QueueFullError``: 503 ``server_overloaded`` with
+    ``Retry-After``. ``EngineDeadError`` (``WorkerDiedError`` included): 503 ``engine_dead``, saying
+    whether the loop was already down when the request came (``while_running`` False) or died while it
+    ran. Anything else: 500 ``internal_error`` naming only the exception's type; the caller logs it.
+    """
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), param="prompt")
+    if isinstance(exc, QueueFullError):
+        return APIError(
+            503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)}
+        )
+    if isinstance(exc, EngineDeadError):
+        when = "the engine loop died while the request ran" if while_running else "the engine is not running"
+        return APIError(503, f"{when}: {exc}", code="engine_dead")
+    return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")

@@ -16,7 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from kvpilot.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvpilot.engine.errors import SamplingParamsError
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request, not_supported
 
 logger = logging.getLogger("kvpilot.server")

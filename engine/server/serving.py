@@ -1,33 +1,25 @@
 """What completions and chat completions share: server state, prompt checks, submission to the engine,
-waiting with disconnect detection, usage and logprobs formatting, Server-Sent Events."""
+waiting with disconnect detection, usage and logprobs formatting (the streaming side is in
+``streaming``)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse
 
-from kvpilot.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    PromptInput,
-    QueueFullError,
-    RequestStream,
-)
+from kvpilot.engine.async_engine import AsyncEngine, PromptInput, RequestStream
+from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.server.errors import SERVER_ERROR, APIError, ClientDisconnected, bad_request, error_body
+from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request, from_exception
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -146,7 +138,8 @@ def check_sampling(state: ServerState, params: SamplingParams) -> None:
 
 
 async def submit(state: ServerState, inputs: list[PromptInput], stream: bool) -> RequestStream:
-    """Queue the requests; map the engine's refusals to HTTP errors."""
+    """Queue the requests; the engine's refusals (its typed errors) become HTTP errors. Any other
+    exception propagates: the application answers it with a logged 500."""
     if logger.isEnabledFor(logging.DEBUG):
         first = inputs[0]
         logger.debug(
@@ -159,14 +152,8 @@ async def submit(state: ServerState, inputs: list[PromptInput], stream: bool) ->
         )
     try:
         return await state.engine.add(inputs, stream)
-    except QueueFullError as exc:
-        raise APIError(
-            503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)}
-        ) from None
-    except EngineDeadError as exc:
-        raise APIError(503, f"the engine is not running: {exc}", code="engine_dead") from None
-    except ValueError as exc:  # the engine's own checks (vocabulary, KV pool size, ...)
-        raise bad_request(str(exc), param="prompt") from None
+    except (InvalidRequestError, QueueFullError, EngineDeadError) as exc:
+        raise from_exception(exc) from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -186,9 +173,7 @@ async def collect_final(state: ServerState, rs: RequestStream, request: Request)
             return collect.result()
         raise ClientDisconnected
     except EngineDeadError as exc:
-        raise APIError(
-            503, f"the engine loop died while the request ran: {exc}", code="engine_dead"
-        ) from None
+        raise from_exception(exc, while_running=True) from None
     finally:
         watch.cancel()
         if not collect.done():
@@ -204,6 +189,47 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
+
+
+def choice(
+    index: int,
+    content_key: str,
+    content: Any,
+    logprobs: Any = None,
+    finish_reason: str | None = None,
+    stop_reason: int | str | None = None,
+) -> dict[str, Any]:
+    """One choice: ``{"index", <content_key>, "logprobs", "finish_reason", "stop_reason"}`` (the content
+    key is "text", "message" or "delta")."""
+    return {
+        "index": index,
+        content_key: content,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def whole_response(
+    request_id: str,
+    object_type: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+) -> JSONResponse:
+    """A response that is not streamed: ``choices`` in OpenAI's envelope, with the usage."""
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": object_type,
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": usage(num_prompt_tokens, num_completion_tokens),
+            "system_fingerprint": None,
+        }
+    )
 
 
 def _lp(value: float) -> float:
@@ -253,84 +279,3 @@ def delta_logprobs(out: RequestOutput, i: int, num_new: int) -> tuple[list[int],
     if comp.logprobs is None or num_new == 0:
         return [], []
     return comp.token_ids[-num_new:], comp.logprobs[-num_new:]
-
-
-# ---------------------------------------------------------------------------------------------- SSE
-def sse_event(payload: dict[str, Any] | str) -> str:
-    data = (
-        payload
-        if isinstance(payload, str)
-        else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    )
-    return f"data: {data}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-class SSEResponse(Response):
-    """A ``text/event-stream`` response that watches for the client's disconnect while it streams, so
-    that a client that leaves — even while its request is still queued and nothing is being sent —
-    cancels the event iterator at once (whose ``finally`` aborts the engine requests)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
-        self.events = events
-        self.status_code = 200
-        self.background = None
-        base = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        self.init_headers({**base, **(headers or {})})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def stream(cancel: Callable[[], None]) -> None:
-            await send(
-                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-            )
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            cancel()
-
-        async def watch(cancel: Callable[[], None]) -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            cancel()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stream, tg.cancel_scope.cancel)
-                tg.start_soon(watch, tg.cancel_scope.cancel)
-        except OSError:
-            pass  # the connection broke mid-send: same as a disconnect
-        finally:
-            aclose: Callable[[], Awaitable[None]] | None = getattr(self.events, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
-
-
-async def guarded_stream(
-    state: ServerState,
-    rs: RequestStream,
-    body: AsyncIterator[str],
-    usage_chunk: Callable[[], str | None],
-) -> AsyncIterator[str]:
-    """Frame an SSE stream: ``body``'s events, then the usage chunk (when asked for) and ``[DONE]``; an
-    error event if the engine loop dies; and, however the stream ends (the client may leave), an abort
-    of the sequences still running so that their KV blocks are freed at once."""
-    try:
-        async for event in body:
-            yield event
-        final = usage_chunk()
-        if final is not None:
-            yield final
-        yield SSE_DONE
-    except EngineDeadError as exc:
-        yield sse_event(
-            error_body(f"the engine loop died while the request ran: {exc}", SERVER_ERROR, code="engine_dead")
-        )
-        yield SSE_DONE
-    finally:
-        if not rs.finished:
-            state.engine.abort(rs.unfinished_ids)

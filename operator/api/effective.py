@@ -10,7 +10,7 @@ The operator never writes ``spec`` (GitOps tools own it). What remediation chang
 
 An override applies only while the spec still holds ``specValue``, the value it was based on. When
 the user edits that field the override stops applying — the user wins — without anyone having
-to delete it first. The builders take the result of :func:`resolve_effective`, never the raw spec.
+to delete it first. The builders take the result (``Settings.effective``), never the raw spec.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvpilot.operator.api.spec import ENGINE_KEYS, apply_defaults
+from kvpilot.operator.api.spec import ENGINE_KEYS
 
 # The levers remediation may override (CRD keys; ``replicas`` is ``spec.replicas``).
 LEVERS = (
@@ -74,11 +74,13 @@ def _coerce(key: str, value: Any) -> Any:
     return float(value)
 
 
-def resolve_effective(isvc: dict[str, Any]) -> Effective:
-    """``spec`` ⊕ ``status.effective.overrides`` for one InferenceService object (pure)."""
-    spec = apply_defaults(isvc.get("spec") or {})
+def resolve_effective(isvc: dict[str, Any], spec: dict[str, Any]) -> Effective:
+    """``spec`` ⊕ ``status.effective.overrides`` of the InferenceService ``isvc`` (pure).
+
+    ``spec``: ``isvc``'s spec with its defaults applied (``Settings.spec``).
+    """
     engine = dict(spec.get("engine") or {})
-    replicas = int(spec.get("replicas", 1))
+    replicas = int(spec["replicas"])
     overrides = ((isvc.get("status") or {}).get("effective") or {}).get("overrides") or {}
     applied: list[str] = []
     for key in LEVERS:

@@ -4,7 +4,8 @@ The schema (types, enums, ranges, CEL rules) rejects most mistakes at ``kubectl 
 cannot express is checked here: the engine's own argument validation (``EngineArgs``), model
 source URIs, quantities, names that must fit the children, and a few cross-field rules. The same
 checks run for manifests read from files (``kvpilot render``), where no API server has validated
-anything, so the basic shape is checked too.
+anything, so the basic shape is checked too. ``settings.resolve`` runs them, on the spec it has
+applied the defaults to.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import difflib
 import re
 from typing import Any
 
-from kvpilot.engine.config import ConfigError, EngineArgs, crd_key
+from kvpilot.engine.config import EngineArgs, crd_key
+from kvpilot.engine.errors import ConfigError
 from kvpilot.operator.api import names
-from kvpilot.operator.api.effective import resolve_effective
+from kvpilot.operator.api.effective import Effective
 from kvpilot.operator.api.spec import (
+    DEFAULTS,
     ENGINE_KEYS,
     ModelSourceError,
-    apply_defaults,
     engine_snake_args,
     parse_duration,
     parse_model_source,
@@ -29,6 +31,9 @@ from kvpilot.operator.api.spec import (
 # Service names are DNS-1035 labels; the Deployment, Service and PDB all take the object's name.
 _DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+# Fallbacks for a manifest read from a file whose remediation objects are not objects.
+_LIMITS = DEFAULTS["remediation"]["limits"]
+_THRESHOLDS = DEFAULTS["remediation"]["thresholds"]
 
 
 class SpecError(ValueError):
@@ -95,7 +100,7 @@ def _resource_problems(spec: dict[str, Any], engine: dict[str, Any]) -> list[str
                 problems.append(f"spec.resources.{key} must be positive, got {resources[key]!r}")
             if key == "memory":
                 memory_bytes = value
-    gpus = resources.get("gpusPerReplica", 1)
+    gpus = resources.get("gpusPerReplica")
     if engine.get("device") == "cuda" and gpus == 0:
         problems.append("spec.engine.device is cuda but spec.resources.gpusPerReplica is 0")
     swap = engine.get("swapSpace", ENGINE_KEYS["swapSpace"].default)
@@ -139,10 +144,11 @@ def _misc_problems(spec: dict[str, Any]) -> list[str]:
             except ValueError as exc:
                 problems.append(f"spec.remediation.{key}: {exc}")
     limits = remediation.get("limits") or {}
-    if limits.get("minReplicas", 1) > limits.get("maxReplicas", 8):
+    if limits.get("minReplicas", _LIMITS["minReplicas"]) > limits.get("maxReplicas", _LIMITS["maxReplicas"]):
         problems.append("spec.remediation.limits.minReplicas must be <= maxReplicas")
     thresholds = remediation.get("thresholds") or {}
-    idle, high = thresholds.get("kvCacheUsageIdle", 0.3), thresholds.get("kvCacheUsageHigh", 0.9)
+    idle = thresholds.get("kvCacheUsageIdle", _THRESHOLDS["kvCacheUsageIdle"])
+    high = thresholds.get("kvCacheUsageHigh", _THRESHOLDS["kvCacheUsageHigh"])
     numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (idle, high))
     if not numbers:
         problems.append("spec.remediation.thresholds: kvCacheUsageIdle and kvCacheUsageHigh must be numbers")
@@ -160,8 +166,9 @@ def _misc_problems(spec: dict[str, Any]) -> list[str]:
     return problems
 
 
-def validate(isvc: dict[str, Any]) -> list[str]:
-    """Every reason this InferenceService cannot be reconciled; an empty list when it is valid."""
+def spec_problems(isvc: Any, spec: dict[str, Any]) -> list[str]:
+    """Every reason the object ``isvc`` and its ``spec`` (with its defaults applied) cannot be
+    reconciled, the status overrides aside; an empty list when they are valid."""
     if not isinstance(isvc, dict):
         return ["the manifest is not an object"]
     problems = []
@@ -180,7 +187,6 @@ def validate(isvc: dict[str, Any]) -> list[str]:
         return problems + ["spec is required"]
     if not raw_spec.get("image"):
         problems.append("spec.image is required (the engine image)")
-    spec = apply_defaults(raw_spec)
     engine = spec.get("engine") or {}
     if not isinstance(engine, dict):
         return problems + ["spec.engine must be an object"]
@@ -188,9 +194,12 @@ def validate(isvc: dict[str, Any]) -> list[str]:
     problems += _engine_problems(engine, "spec.engine")
     problems += _resource_problems(spec, engine)
     problems += _misc_problems(spec)
-    if not problems:
-        # Remediation overrides must never produce a configuration the engine rejects.
-        effective = resolve_effective(isvc)
-        if effective.applied_overrides:
-            problems += _engine_problems(effective.engine, "status.effective (spec.engine with overrides)")
     return problems
+
+
+def override_problems(effective: Effective) -> list[str]:
+    """Why the remediation overrides in ``effective`` give a configuration the engine rejects (they
+    must never), or an empty list."""
+    if not effective.applied_overrides:
+        return []
+    return _engine_problems(effective.engine, "status.effective (spec.engine with overrides)")

@@ -23,9 +23,9 @@ import yaml
 
 from kvpilot.engine.config import to_cli_args
 from kvpilot.operator.api import names
-from kvpilot.operator.local.process import die_with_parent
 from kvpilot.operator.api.spec import engine_snake_args
-from kvpilot.operator.remediation.window import parse_scrape
+from kvpilot.operator.local.process import die_with_parent
+from kvpilot.operator.remediation.metrics import parse_scrape
 
 THRESHOLD = 1.0  # preemptions/s per replica that count as a storm
 SHAPE = {"maxModelLen": 128, "maxNumBatchedTokens": 256, "maxNumSeqs": 16, "enablePrefixCaching": False}

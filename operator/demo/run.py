@@ -38,7 +38,6 @@ from typing import Any
 import aiohttp
 
 from kvpilot.operator.api import names
-from kvpilot.operator.demo.report import Sample, Timeline, Trip, summarize_run, write_plot
 from kvpilot.operator.demo.prepare import (
     THRESHOLD,
     calibrate,
@@ -48,7 +47,8 @@ from kvpilot.operator.demo.prepare import (
     wait_for_line,
     write_manifest,
 )
-from kvpilot.operator.remediation.window import parse_scrape
+from kvpilot.operator.demo.report import Sample, Timeline, Trip, summarize_run, write_plot
+from kvpilot.operator.remediation.metrics import parse_scrape
 
 CONCURRENCY = 8
 PROMPT_LEN, MAX_TOKENS = 16, 96  # 112 tokens = 7 blocks of 16 per request

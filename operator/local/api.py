@@ -1,10 +1,10 @@
 """An in-memory Kubernetes API for the local platform: the operator's own client, minus the network.
 
 :class:`LocalApi` is a :class:`~kvpilot.operator.kube.KubeClient` whose transport is a dict instead of
-an API server. ``get``, ``apply``, ``merge_patch``, ``create`` and ``delete`` are inherited unchanged; only
-``request`` is replaced. So ``reconcile()`` and the ``Autotuner`` run against it exactly as they run
-against a cluster, and the local kubelet (``local_replicas``) reads the Deployment they render and
-writes the Pods and Deployment status a cluster's controllers would.
+an API server. ``request``, ``get``, ``apply``, ``merge_patch``, ``create`` and ``delete`` are inherited
+unchanged; only the transport under them is replaced. So the ``Reconciler`` and the ``Autotuner`` run
+against it exactly as they run against a cluster, and the local kubelet (``local.replicas``) reads the
+Deployment they render and writes the Pods and Deployment status a cluster's controllers would.
 
 What it keeps of an API server's behaviour, because the operator relies on it: ``uid``,
 ``resourceVersion``, ``generation`` (bumped on spec changes only), ``creationTimestamp``; server-side
@@ -22,9 +22,10 @@ import itertools
 import uuid
 from typing import Any
 
-from kvpilot.operator.kube import ApiError, KubeClient
-from kvpilot.operator.remediation.evaluate import merge_patch
-from kvpilot.operator.reconcile.status import rfc3339
+from kvpilot.operator.api.patch import merge_patch
+from kvpilot.operator.api.rest import ApiError
+from kvpilot.operator.api.timefmt import rfc3339
+from kvpilot.operator.kube import KubeClient
 
 # (plural, namespace, name)
 Key = tuple[str, str | None, str]
@@ -134,16 +135,10 @@ class LocalApi(KubeClient):
 
     # --- the transport KubeClient's methods call ----------------------------------------------
 
-    async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: dict[str, str] | None = None,
-        body: Any = None,
-        content_type: str = "application/json",
+    async def _send(
+        self, method: str, path: str, params: dict[str, str] | None, body: Any, content_type: str
     ) -> dict[str, Any]:
-        """One API call against the store; the decoded answer or ApiError, as ``KubeClient.request``."""
+        """One API call against the store; the decoded answer or ApiError, as over the wire."""
         plural, namespace, name, sub = parse_path(path)
         key: Key = (plural, namespace, name or "")
         live = self._objects.get(key)

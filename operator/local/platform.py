@@ -2,12 +2,12 @@
 
 The platform is a thin adapter; everything that decides is the operator's own code::
 
-    LocalApi (local_api)        an in-memory API: the operator's KubeClient with a dict for transport
-      ▲  reconcile()            the reconciler, unchanged: validate, build_children, status
+    LocalApi (local.api)        an in-memory API: the operator's KubeClient with a dict for transport
+      ▲  Reconciler             the operator's reconciler, unchanged: resolve, build_children, status
       ▲  Autotuner              the remediation loop, unchanged: scrape, window, evaluate(), re-render
       ▼  LocalKubelet           the rendered Deployment -> `kvpilot serve` processes, Pods, rollouts,
-         (local_replicas)       crash restarts
-    FrontDoor (local_frontdoor) one port for the OpenAI API, least-loaded ready replica
+         (local.replicas)       crash restarts
+    FrontDoor (local.frontdoor) one port for the OpenAI API, least-loaded ready replica
 
 Triggers for a reconcile pass are those of the operator: start-up, a spec edit (the manifest file is
 re-read when it changes: the user wins, as with ``kubectl apply``), the Pods or the Deployment's status
@@ -34,15 +34,16 @@ from typing import Any
 import yaml
 
 from kvpilot.operator.api import names
-from kvpilot.operator.remediation.loop import Autotuner, AutotunerOptions
-from kvpilot.operator.kube import object_path
+from kvpilot.operator.api.rest import object_path
+from kvpilot.operator.api.settings import resolve
+from kvpilot.operator.api.spec import ModelSourceError, parse_model_source
 from kvpilot.operator.local.api import LocalApi
 from kvpilot.operator.local.frontdoor import STATUS_PATH, FrontDoor
 from kvpilot.operator.local.replicas import LocalKubelet
+from kvpilot.operator.options import OperatorOptions
+from kvpilot.operator.reconcile.reconciler import Reconciler
+from kvpilot.operator.remediation.loop import Autotuner
 from kvpilot.operator.remediation.pods import is_ready, metrics_url
-from kvpilot.operator.reconcile.reconciler import reconcile
-from kvpilot.operator.api.spec import ModelSourceError, parse_model_source
-from kvpilot.operator.api.validation import validate
 
 LOG = logging.getLogger("kvpilot.local")
 MANIFEST_POLL_S = 2.0
@@ -92,26 +93,18 @@ class LocalPlatform:
             on_change=self.reconcile,
         )
         self.door = FrontDoor(self.endpoints, self.snapshot, host=host, port=port, logger=logger)
-        self.autotuner = Autotuner(
-            self.api,
-            AutotunerOptions(
-                namespaces=(self.namespace,),
-                scrape_interval=scrape_interval,
-                scrape_timeout=scrape_timeout,
-                record=record,
-            ),
-            self.lock_for,
-            self._post_event,
+        self.reconciler = Reconciler(self.api, self._post_event)
+        options = OperatorOptions(
+            namespaces=(self.namespace,),
+            scrape_interval=scrape_interval,
+            scrape_timeout=scrape_timeout,
+            record=record,
         )
+        self.autotuner = Autotuner(self.api, options, self.reconciler)
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_EVENTS)
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._tasks: list[asyncio.Task] = []
         self._manifest_mtime = manifest.stat().st_mtime if manifest else None
         self._last_problems: str | None = None
-
-    def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
-        """The lock that serialises writes to one InferenceService (reconcile and remediation)."""
-        return self._locks.setdefault((namespace, name), asyncio.Lock())
 
     async def start(self) -> str:
         """Create the InferenceService, render its children, listen; returns the front door's URL."""
@@ -140,18 +133,10 @@ class LocalPlatform:
         await self.kubelet.close()
 
     async def reconcile(self, announce: bool = False) -> None:
-        """One reconcile pass on a fresh read, under the object's lock (the operator's Reconciler.run)."""
-        async with self.lock_for(self.namespace, self.name):
-            isvc = await self.api.get(self.isvc_path)
-            if isvc is None:
-                return
-
-            async def emit(type_: str, reason: str, message: str) -> None:
-                await self._post_event(isvc, type_, reason, message)
-
-            outcome = await reconcile(self.api, isvc, emit, announce=announce)
-        for line in outcome.written:
-            self.logger.info(line)
+        """One reconcile pass on a fresh read, under the object's lock (``Reconciler.run``)."""
+        outcome = await self.reconciler.run(self.namespace, self.name, self.logger, announce=announce)
+        if outcome.gone:
+            return
         problems = "; ".join(outcome.problems + outcome.conflicts) or None
         if problems and problems != self._last_problems:
             self.logger.error(f"{self.name}: not applied: {problems}")
@@ -337,7 +322,7 @@ def run_up(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError, ValueError) as exc:
         print(f"error: cannot read {args.filename}: {exc}", file=sys.stderr)
         return 1
-    problems = validate(isvc)
+    problems = list(resolve(isvc).problems)
     problem = local_model_problem(isvc, args.model)
     for line in problems + ([problem] if problem else []):
         print(f"error: {line}", file=sys.stderr)
@@ -384,7 +369,7 @@ async def _serve(platform: LocalPlatform, log_dir: Path) -> int:
         except OSError as exc:
             LOG.error(f"cannot start the front door on {platform.door.host}:{platform.door.port}: {exc}")
             return 1
-        mode = (platform.isvc["spec"].get("remediation") or {}).get("mode", "Recommend")
+        mode = resolve(platform.isvc).remediation.mode
         LOG.info(
             f"kvpilot up: {names.KIND} {platform.namespace}/{platform.name} (remediation {mode}); "
             f"OpenAI API on {url}/v1, status on {url}{STATUS_PATH}; replica logs in {log_dir}; "

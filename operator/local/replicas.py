@@ -1,7 +1,7 @@
 """The local kubelet: the engine Deployment's pods as ``kvpilot serve`` processes on loopback ports.
 
 It does for one machine what a cluster's Deployment controller, ReplicaSet controller and kubelet do
-for the engine Deployment the operator renders (``builders.build_deployment``), reading it from the
+for the engine Deployment the operator renders (``render.builders.build_deployment``), reading it from the
 :class:`~kvpilot.operator.local.api.LocalApi` and writing back what they would::
 
     Deployment (rendered by reconcile)          processes                    back into the store
@@ -15,10 +15,10 @@ for the engine Deployment the operator renders (``builders.build_deployment``), 
   gets GPUs of its own (``CUDA_VISIBLE_DEVICES``, as many as its pod's limit) while there are enough.
 - Readiness is the container's readiness probe (``GET /health``); only ready pods are endpoints.
 - A process that exits on its own is restarted with the same args after a back-off (1 s doubling to
-  30 s); meanwhile its Pod shows ``CrashLoopBackOff``, which ``pods.classify`` reads as failing, so the
-  remediation policy reverts a change whose pods crash, as in a cluster.
+  30 s); meanwhile its Pod shows ``CrashLoopBackOff``, which ``remediation.pods.classify`` reads as
+  failing, so the remediation policy reverts a change whose pods crash, as in a cluster.
 - Stopping sends SIGTERM to the replica's process group and SIGKILL after the grace period (see
-  ``local_process``: only groups this kubelet started are ever signalled).
+  ``local.process``: only groups this kubelet started are ever signalled).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from typing import Any
 import aiohttp
 
 from kvpilot.operator.api import names
-from kvpilot.operator.kube import object_path
+from kvpilot.operator.api.rest import object_path
+from kvpilot.operator.api.timefmt import format_time
 from kvpilot.operator.local.process import (
     LOCAL_HOST,
     Replica,
@@ -49,7 +50,6 @@ from kvpilot.operator.local.process import (
     log_tail,
     resolve_int_or_percent,
 )
-from kvpilot.operator.remediation.policy import format_time
 
 PROBE_TIMEOUT_S = 2.0
 READINESS_FAILURES = 3  # consecutive failed probes before a ready replica counts as unready

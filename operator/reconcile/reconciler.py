@@ -1,27 +1,43 @@
-"""One reconcile pass over an InferenceService: validate, build, apply what changed, write status.
+"""Reconciling an InferenceService: one pass (:func:`reconcile`: build, apply what changed, write
+status) and the :class:`Reconciler` that runs passes one at a time per object on a fresh read.
 
 Idempotent: a child is written only when its desired hash differs from the live object's (or its
 replica count or owner reference drifted), and status only when an owned field changed, so a
-pass over an unchanged object performs reads only. No kopf import here: the handlers translate
-the :class:`Outcome` into kopf's errors and events.
+pass over an unchanged object performs reads only. No kopf and no HTTP client here: the API client is
+injected (``api.rest.Kube``), and the kopf handlers and the local platform translate the
+:class:`Outcome` into their errors and logs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvpilot.operator.api import names
-from kvpilot.operator.render.builders import build_children, build_service_monitor, selector_string
-from kvpilot.operator.api.effective import resolve_effective
-from kvpilot.operator.kube import ApiError, KubeClient, object_path, path_of
-from kvpilot.operator.reconcile.status import blocked_message, desired_status, spec_invalid_message, status_patch
-from kvpilot.operator.api.validation import validate
+from kvpilot.operator.api.rest import ApiError, Kube, object_path, path_of
+from kvpilot.operator.api.settings import Settings, resolve
+from kvpilot.operator.api.timefmt import rfc3339
+from kvpilot.operator.reconcile.status import (
+    blocked_message,
+    desired_status,
+    spec_invalid_message,
+    status_patch,
+)
+from kvpilot.operator.render.builders import (
+    build_children,
+    build_event,
+    build_service_monitor,
+    selector_string,
+)
 
 # (type, reason, message) -> posts a Kubernetes Event about the InferenceService.
 EmitFn = Callable[[str, str, str], Awaitable[None] | None]
+# (isvc, type, reason, message) -> posts a Kubernetes Event about ``isvc``.
+PostEvent = Callable[[dict, str, str, str], Awaitable[None]]
 
 
 @dataclasses.dataclass
@@ -69,7 +85,7 @@ def needs_write(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
     return False
 
 
-async def _apply_children(kube: KubeClient, isvc: dict[str, Any], children: list[dict], outcome: Outcome):
+async def _apply_children(kube: Kube, isvc: dict[str, Any], children: list[dict], outcome: Outcome):
     deployment = None
     for desired in children:
         kind, name = desired["kind"], desired["metadata"]["name"]
@@ -96,9 +112,10 @@ async def _apply_children(kube: KubeClient, isvc: dict[str, Any], children: list
     return deployment
 
 
-async def _prune_service_monitor(kube: KubeClient, isvc: dict[str, Any], outcome: Outcome) -> None:
+async def _prune_service_monitor(kube: Kube, settings: Settings, outcome: Outcome) -> None:
     """Delete the ServiceMonitor once monitoring.serviceMonitor.enabled is turned off."""
-    path = path_of(build_service_monitor(isvc, resolve_effective(isvc)))
+    isvc = settings.isvc
+    path = path_of(build_service_monitor(settings))
     try:
         live = await kube.get(path)
     except ApiError as exc:
@@ -110,7 +127,7 @@ async def _prune_service_monitor(kube: KubeClient, isvc: dict[str, Any], outcome
         outcome.written.append(f"Deleted ServiceMonitor {isvc['metadata']['name']}")
 
 
-async def _write_status(kube: KubeClient, isvc: dict[str, Any], desired: dict[str, Any]) -> bool:
+async def _write_status(kube: Kube, isvc: dict[str, Any], desired: dict[str, Any]) -> bool:
     patch = status_patch(isvc.get("status"), desired)
     if patch is None:
         return False
@@ -122,8 +139,8 @@ async def _write_status(kube: KubeClient, isvc: dict[str, Any], desired: dict[st
 
 
 async def reconcile(
-    kube: KubeClient,
-    isvc: dict[str, Any],
+    kube: Kube,
+    settings: Settings,
     emit: EmitFn,
     *,
     now: datetime.datetime | None = None,
@@ -131,7 +148,8 @@ async def reconcile(
     service_monitors: bool = False,
     announce: bool = True,
 ) -> Outcome:
-    """Bring the children and status of ``isvc`` (as last read) in line with its spec.
+    """Bring the children and status of the InferenceService ``settings`` resolves (its object as last
+    read) in line with its spec.
 
     ``apply_children=False`` only refreshes status from the live Deployment. ``service_monitors``:
     whether this operator may manage ServiceMonitors (it has the RBAC for them; otherwise it never
@@ -140,10 +158,11 @@ async def reconcile(
     """
     now = now or datetime.datetime.now(datetime.UTC)
     outcome = Outcome()
+    isvc = settings.isvc
     meta = isvc["metadata"]
     if meta.get("deletionTimestamp"):
         return outcome  # being deleted: the garbage collector removes the children
-    outcome.problems = validate(isvc)
+    outcome.problems = list(settings.problems)
     deployment_path = object_path("apps/v1", "Deployment", meta.get("namespace"), meta["name"])
     effective = None
     deployment = None
@@ -155,8 +174,8 @@ async def reconcile(
         if spec_invalid_message(isvc.get("status")) != message:
             await _emit(emit, "Warning", "InvalidSpec", message)
     else:
-        effective = resolve_effective(isvc)
-        children = build_children(isvc, effective)
+        effective = settings.effective
+        children = build_children(settings)
         wants_monitor = any(c["kind"] == "ServiceMonitor" for c in children)
         if wants_monitor and not service_monitors:
             children = [c for c in children if c["kind"] != "ServiceMonitor"]
@@ -167,7 +186,7 @@ async def reconcile(
         if apply_children:
             deployment = await _apply_children(kube, isvc, children, outcome)
             if service_monitors and not wants_monitor:
-                await _prune_service_monitor(kube, isvc, outcome)
+                await _prune_service_monitor(kube, settings, outcome)
         else:
             deployment = await kube.get(deployment_path)
             if deployment is not None and not is_controlled_by(deployment, isvc):
@@ -190,3 +209,78 @@ async def _emit(emit: EmitFn, type_: str, reason: str, message: str) -> None:
     result = emit(type_, reason, message)
     if result is not None:
         await result
+
+
+async def post_event(kube: Kube, isvc: dict, type_: str, reason: str, message: str, logger: Any) -> None:
+    """Post a Kubernetes Event about ``isvc``; a failure is logged, never raised (events are best effort)."""
+    now = datetime.datetime.now(datetime.UTC)
+    body = build_event(isvc, type_, reason, message, rfc3339(now), uuid.uuid4().hex[:16])
+    try:
+        await kube.create(body)
+    except ApiError as exc:
+        logger.warning(f"cannot post event {reason}: {exc}")
+
+
+class Reconciler:
+    """Runs reconcile passes: one at a time per object, always on a fresh read of it.
+
+    ``post_event`` posts the Events of a pass; ``service_monitors``: whether ServiceMonitors may be
+    managed. :meth:`lock` is also the lock remediation takes before it writes the same object.
+    """
+
+    def __init__(self, kube: Kube, post_event: PostEvent, *, service_monitors: bool = False) -> None:
+        self.kube = kube
+        self.post_event = post_event
+        self.service_monitors = service_monitors
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """The lock that serialises every write to one InferenceService (reconcile and remediation)."""
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    async def run(self, namespace: str, name: str, logger: Any, announce: bool = False) -> Outcome:
+        """Reconcile one InferenceService by name; ``Outcome.gone`` when it no longer exists.
+
+        ``announce``: the pass follows a spec change or a (re)start, so one-off warnings are posted.
+        """
+        async with self.lock(namespace, name):
+            isvc = await self.kube.get(object_path(names.API_VERSION, names.KIND, namespace, name))
+            if isvc is None:
+                self._locks.pop((namespace, name), None)
+                return Outcome(gone=True)
+            outcome = await self.reconcile(resolve(isvc), announce=announce)
+        for line in outcome.written:
+            logger.info(line)
+        return outcome
+
+    async def reconcile(self, settings: Settings, announce: bool = False) -> Outcome:
+        """One pass over ``settings`` (a fresh read; the caller holds :meth:`lock`)."""
+        isvc = settings.isvc
+
+        async def emit(type_: str, reason: str, message: str) -> None:
+            await self.post_event(isvc, type_, reason, message)
+
+        return await reconcile(
+            self.kube, settings, emit, service_monitors=self.service_monitors, announce=announce
+        )
+
+    async def resync_forever(self, scopes: list[str | None], interval: float, logger: Any) -> None:
+        """Reconcile every InferenceService in ``scopes`` (None: all namespaces) every ``interval`` s."""
+        while True:
+            await asyncio.sleep(interval)
+            for namespace in scopes:
+                try:
+                    listing = await self.kube.request(
+                        "GET", object_path(names.API_VERSION, names.KIND, namespace)
+                    )
+                except ApiError as exc:
+                    logger.warning(
+                        f"resync: cannot list {names.PLURAL} in {namespace or 'all namespaces'}: {exc}"
+                    )
+                    continue
+                for item in listing.get("items") or []:
+                    meta = item["metadata"]
+                    try:
+                        await self.run(meta["namespace"], meta["name"], logger)
+                    except Exception as exc:  # one broken object must not stop the resync of the others
+                        logger.warning(f"resync of {meta['namespace']}/{meta['name']} failed: {exc!r}")

@@ -1,11 +1,12 @@
 """One remediation evaluation of an InferenceService: decide, then the status it writes and its Events.
 
-Pure: ``evaluate(isvc, window, now)`` returns the :class:`~kvpilot.operator.remediation.policy.Decision` and an
-:class:`Update` — a JSON merge patch of ``status`` (None when nothing changed) and the Events to post.
-The operator sends both to the API server; ``kvpilot replay`` applies the patch to an in-memory copy,
+Pure: ``evaluate(settings, window, now)`` returns the
+:class:`~kvpilot.operator.remediation.decision.Decision` and an :class:`Update` — a JSON merge patch
+of ``status`` (None when nothing changed) and the Events to post. The operator sends both to the API
+server; ``kvpilot replay`` applies the patch to an in-memory copy,
 so a replay walks through exactly the states the operator would.
 
-Remediation owns these status fields (the reconciler owns the rest, see ``status``)::
+Remediation owns these status fields (the reconciler owns the rest, see ``reconcile.status``)::
 
     signals, capacity                        what the latest window shows (every mode)
     conditions KVCachePressure, Remediating  (every mode)
@@ -19,33 +20,27 @@ Writes are kept rare: numbers are rounded (rates to 2 significant digits, KV usa
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
 import math
 from typing import Any
 
-from kvpilot.operator.api.effective import LEVERS, Effective, resolve_effective
-from kvpilot.operator.remediation.policy import (
+from kvpilot.operator.api.conditions import condition, find_condition, merge_conditions
+from kvpilot.operator.api.effective import LEVERS
+from kvpilot.operator.api.settings import RemediationSettings, Settings
+from kvpilot.operator.api.timefmt import format_time, parse_time
+from kvpilot.operator.remediation.decision import (
     APPLY,
     AUTO,
     OFF,
-    PRESSURE_EXIT_RATIO,
     RECOMMEND,
     RECOMMEND_ACTION,
     REVERT,
     Change,
     Decision,
-    RemediationSettings,
-    decide,
-    format_time,
     history_from_status,
-    is_demand,
-    is_storm,
-    parse_time,
 )
-from kvpilot.operator.api.spec import apply_defaults
-from kvpilot.operator.reconcile.status import condition, find_condition, merge_conditions
+from kvpilot.operator.remediation.policy import PRESSURE_EXIT_RATIO, decide, is_demand, is_storm
 from kvpilot.operator.remediation.window import MetricWindow
 
 MAX_HISTORY = 20
@@ -157,14 +152,14 @@ def remediating_condition(
 
 def _spec_value(spec: dict[str, Any], field: str) -> Any:
     if field == "replicas":
-        return int(spec.get("replicas", 1))
+        return int(spec["replicas"])
     return (spec.get("engine") or {}).get(field)
 
 
-def _override_patch(isvc: dict[str, Any], change: Change | None, now: float) -> dict[str, Any]:
+def _override_patch(settings: Settings, change: Change | None, now: float) -> dict[str, Any]:
     """Overrides to write: stale ones (the user changed the field) removed, ``change`` applied."""
-    spec = apply_defaults(isvc.get("spec") or {})
-    current = ((isvc.get("status") or {}).get("effective") or {}).get("overrides") or {}
+    spec = settings.spec
+    current = ((settings.isvc.get("status") or {}).get("effective") or {}).get("overrides") or {}
     patch: dict[str, Any] = {}
     for key, override in current.items():
         if key not in LEVERS or not isinstance(override, dict):
@@ -184,20 +179,19 @@ def _override_patch(isvc: dict[str, Any], change: Change | None, now: float) -> 
 
 
 def evaluate(
-    isvc: dict[str, Any], window: MetricWindow, now: float, *, observed_pods: bool = True
+    settings: Settings, window: MetricWindow, now: float, *, observed_pods: bool = True
 ) -> tuple[Decision, Update]:
-    """Decide for ``isvc`` (as last read) on ``window``; the status patch and Events that follow.
+    """Decide for the InferenceService ``settings`` resolves (valid; its object as last read) on
+    ``window``; the status patch and Events that follow.
 
     ``observed_pods``: whether any engine pod of it exists; with none and no remediation status yet,
     nothing is written (a new or stopped InferenceService has nothing to report).
     """
-    spec = isvc.get("spec") or {}
+    isvc, effective, s = settings.isvc, settings.effective, settings.remediation
     status = isvc.get("status") or {}
-    s = RemediationSettings.from_spec(spec)
-    effective: Effective = resolve_effective(isvc)
     key = "recommendations" if s.mode == RECOMMEND else "remediations"
     history = history_from_status(status.get(key))
-    decision = decide(window, spec, effective, history, now)
+    decision = decide(window, settings, history, now)
     conditions = status.get("conditions") or []
     if not observed_pods and not window.pods and find_condition(conditions, PRESSURE) is None:
         return decision, Update(None)
@@ -217,7 +211,7 @@ def evaluate(
             events.append(("Warning", EVENT_REVERTED, what))
         else:
             events.append(("Normal", EVENT_APPLIED, what))
-    overrides = _override_patch(isvc, change if decision.action == APPLY else None, now)
+    overrides = _override_patch(settings, change if decision.action == APPLY else None, now)
     if overrides:
         patch["effective"] = {"overrides": overrides}
 
@@ -253,16 +247,3 @@ def evaluate(
     ):
         events.append(("Warning", EVENT_EXHAUSTED, remediating["message"]))
     return decision, Update(patch or None, tuple(events), change)
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """Apply a JSON merge patch (RFC 7386) to a copy of ``target``."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result

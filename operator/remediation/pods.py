@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvpilot.operator.api import names
-from kvpilot.operator.remediation.policy import parse_time
+from kvpilot.operator.api.timefmt import parse_time
 
 # Container states that mean the configuration does not run (and will not by waiting).
 FAILING_WAITING_REASONS = frozenset(

@@ -1,9 +1,10 @@
-"""The remediation policy: ``decide(window, spec, effective, history, now) -> Decision``.
+"""The remediation policy: ``decide(window, settings, history, now) -> Decision``.
 
 Pure: no I/O, no clock (``now`` is an argument), no kopf, no Kubernetes client, no HTTP. The same
-function runs in the operator and in ``kvpilot replay``.
+function runs in the operator and in ``kvpilot replay``; ``settings`` is the InferenceService resolved
+once (``api.settings.resolve``), so the policy reads its limits and thresholds, never defaults of its own.
 
-In the order vLLM's tuning guide prescribes (DESIGN §5)::
+In the order vLLM's tuning guide prescribes::
 
     failing pods after our last change ─► revert it (at once: the policy never makes things worse)
     data missing / stale / partial     ─► nothing
@@ -26,27 +27,33 @@ stays where it is until the user edits the spec.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
+from kvpilot.engine.parallel.layout import allowed_tensor_parallel_sizes
 from kvpilot.operator.api.effective import Effective
-from kvpilot.operator.api.spec import ENGINE_KEYS, apply_defaults, parse_duration
+from kvpilot.operator.api.settings import RemediationSettings, Settings
+from kvpilot.operator.api.spec import ENGINE_KEYS
+from kvpilot.operator.remediation.decision import (
+    ADD_REPLICA,
+    APPLY,
+    AUTO,
+    LOWER_MAX_BATCHED_TOKENS,
+    LOWER_MAX_NUM_SEQS,
+    NONE,
+    OFF,
+    RAISE_GPU_MEMORY,
+    RAISE_PP,
+    RAISE_TP,
+    RECOMMEND_ACTION,
+    REMOVE_REPLICA,
+    REVERT,
+    Change,
+    Decision,
+)
+from kvpilot.operator.remediation.metrics import ModelShape
 from kvpilot.operator.remediation.window import MetricWindow
-
-AUTO, RECOMMEND, OFF = "Auto", "Recommend", "Off"
-NONE, APPLY, RECOMMEND_ACTION = "none", "apply", "recommend"
-
-# Lever names (status.remediations[].lever), in ladder order.
-RAISE_GPU_MEMORY = "raiseGpuMemoryUtilization"
-LOWER_MAX_NUM_SEQS = "lowerMaxNumSeqs"
-LOWER_MAX_BATCHED_TOKENS = "lowerMaxNumBatchedTokens"
-RAISE_TP = "raiseTensorParallelSize"
-RAISE_PP = "raisePipelineParallelSize"
-ADD_REPLICA = "addReplica"
-REMOVE_REPLICA = "removeReplica"
-REVERT = "revert"
 
 # Step sizes. The memory fraction moves in steps of 0.05 (on an 80 GiB GPU: 4 GiB more KV cache);
 # the batch limits shrink to 3/4, maxNumSeqs to 3/4 of what actually ran during the storm (lowering it
@@ -56,164 +63,6 @@ SHRINK = 0.75
 SCALE_DOWN_DELAY_COOLDOWNS = 2
 # KVCachePressure stays True until the rate falls below this fraction of the threshold.
 PRESSURE_EXIT_RATIO = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """``spec.remediation.limits``: the bounds the policy stays within."""
-
-    max_gpu_memory_utilization: float = 0.95
-    min_max_num_seqs: int = 16
-    min_max_num_batched_tokens: int = 2048
-    min_replicas: int = 1
-    max_replicas: int = 8
-    max_tensor_parallel_size: int = 8
-    max_pipeline_parallel_size: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class RemediationSettings:
-    """``spec.remediation`` with the CRD's defaults, durations in seconds."""
-
-    mode: str = RECOMMEND
-    preemption_rate: float = 0.05
-    window_s: float = 120.0
-    cooldown_s: float = 600.0
-    limits: Limits = Limits()
-    kv_usage_high: float = 0.9
-    waiting_high: float = 8.0
-    kv_usage_idle: float = 0.3
-    gpus_per_replica: int = 1
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> RemediationSettings:
-        """Read an InferenceService ``spec`` (defaults applied here; the spec must be valid)."""
-        full = apply_defaults(dict(spec))
-        rem = full["remediation"]
-        limits = rem["limits"]
-        thresholds = rem["thresholds"]
-        return cls(
-            mode=rem["mode"],
-            preemption_rate=float(rem["preemptionRate"]),
-            window_s=parse_duration(rem["window"]),
-            cooldown_s=parse_duration(rem["cooldown"]),
-            limits=Limits(
-                max_gpu_memory_utilization=float(limits["maxGpuMemoryUtilization"]),
-                min_max_num_seqs=int(limits["minMaxNumSeqs"]),
-                min_max_num_batched_tokens=int(limits["minMaxNumBatchedTokens"]),
-                min_replicas=int(limits["minReplicas"]),
-                max_replicas=int(limits["maxReplicas"]),
-                max_tensor_parallel_size=int(limits["maxTensorParallelSize"]),
-                max_pipeline_parallel_size=int(limits["maxPipelineParallelSize"]),
-            ),
-            kv_usage_high=float(thresholds["kvCacheUsageHigh"]),
-            waiting_high=float(thresholds["requestsWaitingHigh"]),
-            kv_usage_idle=float(thresholds["kvCacheUsageIdle"]),
-            gpus_per_replica=int(full["resources"].get("gpusPerReplica", 1)),
-        )
-
-
-def parse_time(value: str | float | int) -> float:
-    """An RFC 3339 timestamp (or unix seconds) as unix seconds."""
-    if isinstance(value, int | float):
-        return float(value)
-    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def format_time(value: float) -> str:
-    """Unix seconds as RFC 3339 with milliseconds (``2025-01-02T03:04:05.123Z``)."""
-    moment = datetime.datetime.fromtimestamp(value, datetime.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
-
-
-@dataclasses.dataclass(frozen=True)
-class Change:
-    """One entry of ``status.remediations`` (applied) or ``status.recommendations`` (proposed)."""
-
-    time: float
-    lever: str
-    field: str
-    from_: float
-    to: float
-    reason: str = ""
-    generation: int | None = None
-
-    def to_status(self) -> dict[str, Any]:
-        """The status entry (``from`` and ``to`` as JSON numbers, ``time`` RFC 3339)."""
-        entry = {
-            "time": format_time(self.time),
-            "lever": self.lever,
-            "field": self.field,
-            "from": self.from_,
-            "to": self.to,
-            "reason": self.reason[:1024],
-        }
-        if self.generation is not None:
-            entry["generation"] = self.generation
-        return entry
-
-    @classmethod
-    def from_status(cls, entry: Mapping[str, Any]) -> Change | None:
-        """Parse a status entry; None for an entry that is not one (hand-edited status)."""
-        try:
-            return cls(
-                time=parse_time(entry["time"]),
-                lever=str(entry["lever"]),
-                field=str(entry["field"]),
-                from_=entry["from"],
-                to=entry["to"],
-                reason=str(entry.get("reason", "")),
-                generation=entry.get("generation"),
-            )
-        except (KeyError, TypeError, ValueError):
-            return None
-
-
-def history_from_status(entries: Iterable[Mapping[str, Any]] | None) -> list[Change]:
-    """``status.remediations`` (or ``recommendations``) as Changes, newest first."""
-    changes = [c for c in (Change.from_status(e) for e in entries or []) if c is not None]
-    return sorted(changes, key=lambda c: c.time, reverse=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What the policy concluded at one evaluation.
-
-    ``action``: ``none``, ``apply`` (Auto) or ``recommend`` (Recommend). ``lever``/``field``/``from_``/
-    ``to`` describe the change (also filled for ``none`` when a change is held back, e.g. by the
-    cooldown or mode Off: what would be done). ``pressure``: ``storm``, ``demand`` or None, what the
-    window shows. ``exhausted``: pressure, but every lever is at its limit. ``reason``: for people.
-    """
-
-    action: str
-    reason: str
-    lever: str | None = None
-    field: str | None = None
-    from_: float | None = None
-    to: float | None = None
-    pressure: str | None = None
-    exhausted: bool = False
-
-    @property
-    def is_change(self) -> bool:
-        return self.action in (APPLY, RECOMMEND_ACTION)
-
-    def change(self, now: float, generation: int | None) -> Change:
-        """The history entry of this decision (only for apply / recommend)."""
-        assert self.is_change and self.lever and self.field
-        return Change(now, self.lever, self.field, self.from_, self.to, self.reason, generation)
-
-    def to_json(self, time: float) -> dict[str, Any]:
-        """The ``kvpilot replay --output json`` line."""
-        return {
-            "time": time,
-            "action": self.action,
-            "lever": self.lever if self.is_change else None,
-            "field": self.field if self.is_change else None,
-            "from": self.from_ if self.is_change else None,
-            "to": self.to if self.is_change else None,
-            "reason": self.reason,
-        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +123,29 @@ def _engine_value(effective: Effective, key: str, reported: int | None = None) -
 
 def _reverted(history: list[Change], field: str, generation: int | None) -> bool:
     return any(c.lever == REVERT and c.field == field and c.generation == generation for c in history)
+
+
+def _tensor_parallel_step(shape: ModelShape | None, tp: int, max_tp: int, skipped: list[str]) -> _Step | None:
+    """The next tensor-parallel size the engine accepts for this model (its own rule:
+    ``allowed_tensor_parallel_sizes``), or None with the reason appended to ``skipped``."""
+    counts = (shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size) if shape else ()
+    if not counts or None in counts[:2]:
+        skipped.append("tensorParallelSize: the model's head counts are unknown (no model info metric)")
+        return None
+    if counts[2] is None:
+        skipped.append("tensorParallelSize: the model's intermediate size is unknown (no model info label)")
+        return None
+    heads, kv_heads, intermediate = counts
+    sizes = [t for t in allowed_tensor_parallel_sizes(heads, kv_heads, intermediate) if tp < t <= max_tp]
+    if not sizes:
+        skipped.append(
+            f"tensorParallelSize {tp}: no larger size up to {max_tp} splits {heads} attention heads, "
+            f"{kv_heads} KV heads and intermediate size {intermediate} evenly"
+        )
+        return None
+    how = "divide" if kv_heads % sizes[0] == 0 else "are replicated over"
+    why = f"shard over {sizes[0]} GPUs ({kv_heads} KV heads {how} them)"
+    return _Step(RAISE_TP, "tensorParallelSize", tp, sizes[0], why)
 
 
 def _storm_ladder(
@@ -338,23 +210,9 @@ def _storm_ladder(
     if s.gpus_per_replica == 0:
         skipped.append("tensor/pipeline parallelism: the pods run without GPUs")
     else:
-        heads = (shape.num_attention_heads, shape.num_key_value_heads) if shape else (None, None)
-        if None in heads:
-            skipped.append("tensorParallelSize: the model's head counts are unknown (no model info metric)")
-        else:
-            sizes = [
-                t
-                for t in range(tp + 1, limits.max_tensor_parallel_size + 1)
-                if heads[0] % t == 0 and heads[1] % t == 0
-            ]
-            if not sizes:
-                skipped.append(
-                    f"tensorParallelSize {tp}: no larger size up to {limits.max_tensor_parallel_size} "
-                    f"divides {heads[1]} KV heads and {heads[0]} attention heads"
-                )
-            elif not blocked("tensorParallelSize"):
-                why = f"shard over {sizes[0]} GPUs ({heads[1]} KV heads divide evenly)"
-                return _Step(RAISE_TP, "tensorParallelSize", tp, sizes[0], why), skipped
+        step = _tensor_parallel_step(shape, tp, limits.max_tensor_parallel_size, skipped)
+        if step is not None and not blocked("tensorParallelSize"):
+            return step, skipped
         layers = shape.num_hidden_layers if shape else None
         top = min(limits.max_pipeline_parallel_size, layers or limits.max_pipeline_parallel_size)
         if pp >= top:
@@ -371,19 +229,13 @@ def _storm_ladder(
     return None, skipped
 
 
-def decide(
-    window: MetricWindow,
-    spec: Mapping[str, Any],
-    effective: Effective,
-    history: Iterable[Change],
-    now: float,
-) -> Decision:
-    """What to do about ``window`` for an InferenceService ``spec`` running ``effective``.
+def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], now: float) -> Decision:
+    """What to do about ``window`` for the InferenceService ``settings`` (valid) describes.
 
     ``history``: the changes made so far (``status.remediations`` in Auto, ``status.recommendations``
     in Recommend), any order. ``now``: unix seconds. Never raises for well-formed inputs.
     """
-    s = RemediationSettings.from_spec(spec)
+    s, effective = settings.remediation, settings.effective
     history = sorted(history, key=lambda c: c.time, reverse=True)
     last = history[0] if history else None
 

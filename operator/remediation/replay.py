@@ -30,10 +30,13 @@ import statistics
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from kvpilot.operator.remediation.policy import AUTO, OFF, RECOMMEND, Decision, RemediationSettings, format_time
-from kvpilot.operator.remediation.evaluate import evaluate, merge_patch
-from kvpilot.operator.api.validation import validate
-from kvpilot.operator.remediation.window import MetricsParseError, PodSeries, parse_scrape, summarize
+from kvpilot.operator.api.patch import merge_patch
+from kvpilot.operator.api.settings import resolve
+from kvpilot.operator.api.timefmt import format_time
+from kvpilot.operator.remediation.decision import AUTO, OFF, RECOMMEND, Decision
+from kvpilot.operator.remediation.evaluate import evaluate
+from kvpilot.operator.remediation.series import PodSeries
+from kvpilot.operator.remediation.window import summarize
 
 MODES = (AUTO, RECOMMEND, OFF)
 STALE_INTERVALS = 3.0  # a pod is stale after this many of its scrape intervals without a sample
@@ -124,13 +127,13 @@ def replay(
         if mode not in MODES:
             raise ReplayError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         state.setdefault("spec", {}).setdefault("remediation", {})["mode"] = mode
-    problems = validate(state)
-    if problems:
-        raise ReplayError("invalid InferenceService: " + "; ".join(problems))
-    settings = RemediationSettings.from_spec(state["spec"])
+    settings = resolve(state)
+    if not settings.is_valid:
+        raise ReplayError("invalid InferenceService: " + "; ".join(settings.problems))
+    window_s = settings.remediation.window_s
     stale_after = stale_after_s if stale_after_s is not None else default_stale_after(records)
-    forget_after = settings.window_s + stale_after
-    retention = settings.window_s + 2 * stale_after
+    forget_after = window_s + stale_after
+    retention = window_s + 2 * stale_after
     ticked = all(r.has_tick for r in records)
     series: dict[str, PodSeries] = {}
     ready: dict[str, bool] = {}
@@ -147,20 +150,8 @@ def replay(
             now = max(now, record.time)
             seen[record.pod], ready[record.pod] = record.time, record.ready
             pod = series.setdefault(record.pod, PodSeries(record.pod, retention))
-            if not record.ready:
-                continue
-            if record.error is not None:
-                pod.fail(record.time, record.error)
-                continue
-            try:
-                scrape = parse_scrape(record.metrics, record.time)
-            except MetricsParseError as exc:
-                pod.fail(record.time, str(exc))
-                continue
-            if scrape.missing:
-                pod.fail(record.time, f"partial scrape, lacks {', '.join(scrape.missing)}")
-            else:
-                pod.add(scrape)
+            if record.ready:
+                pod.ingest(record.time, record.metrics, record.error)
         if ticked:
             present = sorted(in_tick)
         else:
@@ -169,13 +160,14 @@ def replay(
         window = summarize(
             {name: series[name] for name in present if ready[name]},
             now=now,
-            window_s=settings.window_s,
+            window_s=window_s,
             stale_after_s=stale_after,
             problems=[f"pod(s) not ready: {', '.join(unready)}"] if unready else [],
         )
-        decision, update = evaluate(state, window, now)
+        decision, update = evaluate(settings, window, now)
         if update.patch is not None:
-            state["status"] = merge_patch(state.get("status"), update.patch)
+            state = {**state, "status": merge_patch(state.get("status"), update.patch)}
+            settings = settings.with_status(state)
         yield now, decision, state
 
 

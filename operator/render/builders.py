@@ -1,9 +1,9 @@
-"""Pure manifest builders: one InferenceService (plus its effective config) -> child objects.
+"""Pure manifest builders: one resolved InferenceService (``api.settings.Settings``) -> child objects.
 
-``build_children(isvc, effective)`` is what the operator applies and what ``kvpilot render``
-prints. Each child carries the recommended labels, an owner reference to the InferenceService
-(when the object has a uid, i.e. it was read from a cluster) and a hash of its own desired state
-in ``serving.kvpilot.io/config-hash``: equal hashes mean there is nothing to write.
+``build_children(settings)`` is what the operator applies and what ``kvpilot render`` prints. Each
+child carries the recommended labels, an owner reference to the InferenceService (when the object has
+a uid, i.e. it was read from a cluster) and a hash of its own desired state in
+``serving.kvpilot.io/config-hash``: equal hashes mean there is nothing to write.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import json
 from typing import Any
 
 from kvpilot.operator.api import names
-from kvpilot.operator.api.effective import Effective
+from kvpilot.operator.api.settings import Settings
 from kvpilot.operator.render.podspec import build_pod_spec
-from kvpilot.operator.api.spec import apply_defaults
 
 # A rollout stalls for real only after the startup probe's whole budget has passed.
 PROGRESS_DEADLINE_MARGIN_S = 600
@@ -81,9 +80,9 @@ def _with_hash(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def build_deployment(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
-    """The engine Deployment: ``effective.replicas`` pods running ``kvpilot serve``."""
-    spec = apply_defaults(isvc["spec"])
+def build_deployment(settings: Settings) -> dict[str, Any]:
+    """The engine Deployment: ``settings.effective.replicas`` pods running ``kvpilot serve``."""
+    isvc, spec, effective = settings.isvc, settings.spec, settings.effective
     pod = spec.get("pod") or {}
     pod_spec = build_pod_spec(spec, effective)
     pod_labels = {**(pod.get("labels") or {}), **common_labels(isvc)}
@@ -116,7 +115,7 @@ def build_deployment(isvc: dict[str, Any], effective: Effective) -> dict[str, An
     return _with_hash(deployment)
 
 
-def build_service(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
+def build_service(isvc: dict[str, Any]) -> dict[str, Any]:
     """The ClusterIP Service in front of the engine pods (port ``http``, 8000)."""
     service = _metadata(isvc, "v1", "Service")
     service["spec"] = {
@@ -135,42 +134,38 @@ def build_service(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
     return _with_hash(service)
 
 
-def build_pdb(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
+def build_pdb(isvc: dict[str, Any]) -> dict[str, Any]:
     """A PodDisruptionBudget: node drains evict at most one engine pod at a time."""
     pdb = _metadata(isvc, "policy/v1", "PodDisruptionBudget")
     pdb["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(isvc)}}
     return _with_hash(pdb)
 
 
-def build_service_monitor(isvc: dict[str, Any], effective: Effective) -> dict[str, Any]:
+def build_service_monitor(settings: Settings) -> dict[str, Any]:
     """A Prometheus Operator ServiceMonitor scraping ``/metrics`` on every engine pod."""
-    spec = apply_defaults(isvc["spec"])
-    settings = spec["monitoring"]["serviceMonitor"]
+    isvc, monitoring = settings.isvc, settings.spec["monitoring"]["serviceMonitor"]
     monitor = _metadata(isvc, "monitoring.coreos.com/v1", "ServiceMonitor")
-    monitor["metadata"]["labels"].update(settings.get("labels") or {})
+    monitor["metadata"]["labels"].update(monitoring.get("labels") or {})
     monitor["spec"] = {
         "selector": {"matchLabels": selector_labels(isvc)},
         "endpoints": [
-            {"port": names.HTTP_PORT_NAME, "path": names.METRICS_PATH, "interval": settings["interval"]}
+            {"port": names.HTTP_PORT_NAME, "path": names.METRICS_PATH, "interval": monitoring["interval"]}
         ],
     }
     return _with_hash(monitor)
 
 
-def service_monitor_enabled(isvc: dict[str, Any]) -> bool:
+def service_monitor_enabled(settings: Settings) -> bool:
     """Whether ``spec.monitoring.serviceMonitor.enabled`` asks for a ServiceMonitor."""
-    return bool(apply_defaults(isvc["spec"])["monitoring"]["serviceMonitor"]["enabled"])
+    return bool(settings.spec["monitoring"]["serviceMonitor"]["enabled"])
 
 
-def build_children(isvc: dict[str, Any], effective: Effective) -> list[dict[str, Any]]:
-    """Every child object of ``isvc``, in apply order. The spec must have passed validation."""
-    children = [
-        build_deployment(isvc, effective),
-        build_service(isvc, effective),
-        build_pdb(isvc, effective),
-    ]
-    if service_monitor_enabled(isvc):
-        children.append(build_service_monitor(isvc, effective))
+def build_children(settings: Settings) -> list[dict[str, Any]]:
+    """Every child object, in apply order. ``settings`` must be valid (``Settings.is_valid``)."""
+    isvc = settings.isvc
+    children = [build_deployment(settings), build_service(isvc), build_pdb(isvc)]
+    if service_monitor_enabled(settings):
+        children.append(build_service_monitor(settings))
     return children
 
 

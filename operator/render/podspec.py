@@ -1,6 +1,7 @@
 """The engine pod template: container command and args, model volumes, env, probes, security.
 
-Pure: takes the (defaulted) spec and the effective engine configuration, returns plain dicts.
+Pure: takes the spec with its defaults applied and the effective engine configuration
+(``Settings.spec`` and ``Settings.effective``), returns plain dicts.
 The container runs::
 
     kvpilot serve MODEL --host 0.0.0.0 --port 8000 --served-model-name NAME <engine flags>
@@ -17,7 +18,7 @@ from typing import Any
 from kvpilot.engine.config import to_cli_args
 from kvpilot.operator.api import names
 from kvpilot.operator.api.effective import Effective
-from kvpilot.operator.api.spec import ModelSource, engine_snake_args, parse_model_source
+from kvpilot.operator.api.spec import DEFAULTS, ModelSource, engine_snake_args, parse_model_source
 
 # Probe timing. The startup probe covers the model load (minutes for large checkpoints); once it
 # passes, readiness takes a pod out of the Service within ~15 s and liveness restarts a pod whose
@@ -25,6 +26,8 @@ from kvpilot.operator.api.spec import ModelSource, engine_snake_args, parse_mode
 PROBE_PERIOD_S = 10
 READINESS = {"periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
 LIVENESS = {"periodSeconds": 15, "timeoutSeconds": 10, "failureThreshold": 4}
+# For a manifest from a file whose spec.pod is not an object (the defaults could not be merged in).
+_GRACE_DEFAULT = DEFAULTS["pod"]["terminationGracePeriodSeconds"]
 
 
 def served_model_name(spec: dict[str, Any], source: ModelSource) -> str:
@@ -41,7 +44,7 @@ def model_argument(source: ModelSource) -> str:
 
 def gpu_count(spec: dict[str, Any], effective: Effective) -> int:
     """GPUs one pod requests: gpusPerReplica × tensorParallelSize × pipelineParallelSize."""
-    per_shard = int(spec["resources"].get("gpusPerReplica", 1))
+    per_shard = int(spec["resources"]["gpusPerReplica"])
     tp = int(effective.engine.get("tensorParallelSize", 1))
     pp = int(effective.engine.get("pipelineParallelSize", 1))
     return per_shard * tp * pp
@@ -166,7 +169,7 @@ def build_pod_spec(spec: dict[str, Any], effective: Effective) -> dict[str, Any]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the engine never talks to the Kubernetes API
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": int(pod.get("terminationGracePeriodSeconds", 120)),
+        "terminationGracePeriodSeconds": int(pod.get("terminationGracePeriodSeconds", _GRACE_DEFAULT)),
         "securityContext": {
             "runAsNonRoot": True,
             "fsGroup": 1000,

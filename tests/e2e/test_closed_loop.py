@@ -31,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.engine import metrics_names as m
 from kvpilot.engine.config import to_cli_args
 from kvpilot.operator.api import names
-from kvpilot.operator.remediation.policy import parse_time
 from kvpilot.operator.api.spec import engine_snake_args
+from kvpilot.operator.api.timefmt import parse_time
 from tests.operator.conftest import CRD_PATH, OperatorProcess, wait_for
 from tests.operator.kmock_apiserver import ApiServerThread
 

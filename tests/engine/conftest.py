@@ -13,9 +13,11 @@ import zlib
 from collections import Counter
 
 from kvpilot.engine.block_manager import BlockManager
+from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.scheduler_output import SchedulerConfig, SchedulerOutput
 
 EOS = 0
 VOCAB = 50
@@ -116,7 +118,7 @@ class FakeModel:
             else:
                 dst_kv[slot] = value
 
-    def execute(self, sched: Scheduler, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
         dsts = [d for _, d in out.blocks_to_copy]
         assert len(dsts) == len(set(dsts)), f"two copies into one block: {out.blocks_to_copy}"
@@ -140,7 +142,7 @@ class FakeModel:
                 self.kv[table[p // bs] * bs + p % bs] = tuple(tokens[: p + 1])
             if item.do_sample:
                 sampled[item.req_id] = self.token_fn(req)
-        return sampled
+        return ModelRunnerOutput(list(sampled), list(sampled.values()), [None] * len(sampled))
 
 
 def snapshot(sched: Scheduler) -> dict[str, int]:
@@ -206,7 +208,7 @@ def run_to_completion(sched: Scheduler, model: FakeModel | None = None, max_step
     """Step until nothing is left, checking invariants; returns the number of steps."""
     model = model or FakeModel(sched.block_manager.block_size)
     for step in range(max_steps):
-        if not sched.has_unfinished:
+        if not sched.requests:
             return step
         before = snapshot(sched)
         out = sched.schedule()

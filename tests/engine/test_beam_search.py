@@ -8,8 +8,9 @@ import pytest
 import torch
 import transformers
 
-from kvpilot.engine import LLM, BeamSearchParams
-from kvpilot.engine.beam_search import BeamSearchState
+from kvpilot.engine import LLM, BeamSearchParams, SamplingParams
+from kvpilot.engine.beam_search import BeamSearchGroup, BeamSearchState, Finish, Fork, Resume
+from kvpilot.engine.request import Request, RequestStatus
 
 
 def _hf_beams(hf, prompt, width, max_tokens, length_penalty, eos):
@@ -106,3 +107,36 @@ def test_state_rejects_bad_params():
     assert state.num_candidates == 4
     assert state.step([{7: -0.1, 8: -0.5, 9: -1.0, 10: -2.0}]) == []
     assert [h.token_ids for h in state.results()] == [[7], [8]]
+
+
+def _report(beam: Request, token: int, top: dict[int, float]) -> None:
+    """What a step does to a beam: it samples ``token`` and reports its ``top`` candidates."""
+    beam.append_output_token(token)
+    beam.logprobs.append(top)
+
+
+def test_group_returns_intents_instead_of_driving_the_scheduler():
+    state = BeamSearchState(BeamSearchParams(2, 4, ignore_eos=True), eos_token_id=None)
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=state.num_candidates, ignore_eos=True)
+    first = Request("g#b0", [1, 2, 3], params, client_request_id="g")
+    group = BeamSearchGroup("g", None, state, first)
+    _report(first, 7, {7: -0.1, 8: -0.2, 9: -3.0, 10: -4.0})
+    assert group.on_sampled(first)
+    # 7 continues in the beam that already holds it; 8 forks from it.
+    fork, resume = group.advance()
+    assert isinstance(fork, Fork) and fork.parent_req_id == "g#b0"
+    child = fork.child
+    assert (child.req_id, child.client_request_id, child.output_token_ids) == ("g#b1", "g", [8])
+    assert child.all_token_ids == [1, 2, 3, 8] and child.logprobs == []
+    assert resume == Resume("g#b0") and group.req_ids == ["g#b0", "g#b1"]
+    assert first.output_token_ids == [7], "the group never writes a beam"
+    # Both winners of the next round come from the first beam: fork first, then free the loser.
+    _report(first, 11, {11: -0.1, 12: -0.2, 13: -3.0, 14: -4.0})
+    assert not group.on_sampled(first)
+    _report(child, 15, {15: -5.0, 16: -6.0, 17: -7.0, 18: -8.0})
+    assert group.on_sampled(child)
+    intents = group.advance()
+    assert [type(i) for i in intents] == [Fork, Finish, Resume]
+    assert (intents[0].parent_req_id, intents[0].child.output_token_ids) == ("g#b0", [7, 12])
+    assert intents[1] == Finish("g#b1", RequestStatus.FINISHED_ABORTED)
+    assert intents[2] == Resume("g#b0") and group.req_ids == ["g#b0", "g#b2"]

@@ -23,9 +23,15 @@ def compute(bm: BlockManager, req, num_new: int) -> None:
     bm.cache_full_blocks(req)
 
 
+def lookup(bm: BlockManager, req) -> int:
+    """The prefix-cache lookup at admission, recorded in the request as the scheduler does."""
+    req.num_computed_tokens = req.num_cached_tokens = bm.allocate_prefix(req)
+    return req.num_cached_tokens
+
+
 def admit(bm: BlockManager, req) -> int:
     """Admission: prefix lookup, then slots for the rest of the known tokens."""
-    cached = bm.allocate_prefix(req)
+    cached = lookup(bm, req)
     compute(bm, req, req.num_tokens - req.num_computed_tokens)
     return cached
 
@@ -77,13 +83,13 @@ def test_allocation_is_all_or_nothing():
     a = make_request(9, req_id="a")
     admit(bm, a)  # 3 blocks
     b = make_request(8, req_id="b")
-    bm.allocate_prefix(b)
+    lookup(bm, b)
     before = (list(bm.ref_counts), bm.num_free_blocks)
     assert bm.allocate_slots(b, 8) is False  # needs 2, only 1 free
     assert bm.get_block_table("b") == []
     assert (list(bm.ref_counts), bm.num_free_blocks) == before
-    assert bm.can_allocate(b, 4) is True
-    assert bm.can_allocate(b, 5) is False
+    assert bm.allocate_slots(b, 5) is False  # still 2 blocks
+    assert (list(bm.ref_counts), bm.num_free_blocks) == before
     assert bm.allocate_slots(b, 4) is True
     assert bm.num_free_blocks == 0
 
@@ -110,8 +116,7 @@ def test_prefix_hit_on_shared_prefix_sets_computed_tokens():
     a = make_request(shared + [1, 2, 3], req_id="a")
     assert admit(bm, a) == 0
     b = make_request(shared + [4, 5], req_id="b")
-    assert bm.allocate_prefix(b) == 8
-    assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
+    assert lookup(bm, b) == 8
     assert bm.get_block_table("b") == bm.get_block_table("a")[:2]
     assert [bm.ref_counts[x] for x in bm.get_block_table("a")] == [2, 2, 1]
     assert (bm.prefix_queries, bm.prefix_hits) == (11 + 10, 8)
@@ -127,31 +132,29 @@ def test_prefix_hit_never_covers_the_whole_prompt():
     admit(bm, make_request(prompt, req_id="a"))
     b = make_request(prompt, req_id="b")
     # One token must still be computed to get logits: only the first block is reused.
-    assert bm.allocate_prefix(b) == 4
-    assert b.num_computed_tokens == 4
+    assert lookup(bm, b) == 4
     c = make_request(prompt + [99], req_id="c")
-    assert bm.allocate_prefix(c) == 8
+    assert lookup(bm, c) == 8
 
 
 def test_prefix_hit_requires_computed_kv():
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     a = make_request(8, req_id="a")
-    bm.allocate_prefix(a)
+    lookup(bm, a)
     assert bm.allocate_slots(a, 8)  # scheduled, but the step has not run: nothing cached yet
     b = make_request(9, req_id="b")
-    assert bm.allocate_prefix(b) == 0
+    assert lookup(bm, b) == 0
     a.num_computed_tokens = 4
     bm.cache_full_blocks(a)
     c = make_request(9, req_id="c")
-    assert bm.allocate_prefix(c) == 4
+    assert lookup(bm, c) == 4
 
 
 def test_prefix_caching_off_never_shares():
     bm = BlockManager(16, 4, enable_prefix_caching=False)
     admit(bm, make_request(9, req_id="a"))
     b = make_request(9, req_id="b")
-    assert bm.allocate_prefix(b) == 0
-    assert b.num_computed_tokens == 0
+    assert lookup(bm, b) == 0
     assert (bm.prefix_queries, bm.prefix_hits) == (0, 0)
     compute(bm, b, 9)
     assert not set(bm.get_block_table("a")) & set(bm.get_block_table("b"))
@@ -163,7 +166,7 @@ def test_same_block_tokens_after_different_prefixes_never_share():
     admit(bm, a)
     # Same second block, different first block: the second block's KV differs, no hit at all.
     b = make_request([9, 9, 9, 9, 5, 6, 7, 8, 9], req_id="b")
-    assert bm.allocate_prefix(b) == 0
+    assert lookup(bm, b) == 0
     compute(bm, b, 9)
     assert not set(bm.get_block_table("a")) & set(bm.get_block_table("b"))
 
@@ -175,9 +178,9 @@ def test_prefix_keys_are_exact_despite_hash_collisions():
     bm = BlockManager(8, 2, enable_prefix_caching=True)
     admit(bm, make_request([5, 6, 1], req_id="a"))
     b = make_request([5 + big, 6 + big, 1], req_id="b")
-    assert bm.allocate_prefix(b) == 0
+    assert lookup(bm, b) == 0
     c = make_request([5, 6, 2], req_id="c")
-    assert bm.allocate_prefix(c) == 2
+    assert lookup(bm, c) == 2
 
 
 def test_freed_cached_blocks_count_as_free_and_are_reused_by_a_later_request():
@@ -188,7 +191,7 @@ def test_freed_cached_blocks_count_as_free_and_are_reused_by_a_later_request():
     bm.free(a)
     assert bm.num_free_blocks == 4 and bm.usage == 0.0
     b = make_request(list(range(1, 13)), req_id="b")
-    assert bm.allocate_prefix(b) == 8
+    assert lookup(bm, b) == 8
     assert bm.get_block_table("b") == table_a[:2]
     assert bm.num_free_blocks == 2
 
@@ -209,14 +212,14 @@ def _two_freed_requests():
 
 def _hits(bm: BlockManager, prompt: list[int], req_id: str) -> int:
     probe = make_request(prompt, req_id=req_id)
-    hits = bm.allocate_prefix(probe)
+    hits = lookup(bm, probe)
     bm.free(probe)
     return hits
 
 
 def _grab(bm: BlockManager, num_blocks: int) -> list[int]:
     req = make_request(2 * num_blocks, req_id="grab")
-    bm.allocate_prefix(req)
+    lookup(bm, req)
     assert bm.allocate_slots(req, 2 * num_blocks)
     return bm.get_block_table("grab")
 
@@ -252,27 +255,14 @@ def test_touching_a_cached_block_protects_it_from_eviction():
     admit(bm, a)
     bm.free(a)
     b = make_request([1, 2, 9], req_id="b")
-    assert bm.allocate_prefix(b) == 2  # revives a's first block (ref 1 again)
+    assert lookup(bm, b) == 2  # revives a's first block (ref 1 again)
     shared = bm.get_block_table("b")[0]
     c = make_request([7, 7, 7, 7], req_id="c")
-    assert bm.allocate_prefix(c) == 0
+    assert lookup(bm, c) == 0
     assert bm.allocate_slots(c, 4)  # takes the other two blocks, never the one b holds
     assert shared not in bm.get_block_table("c")
     assert bm.ref_counts[shared] == 1
     assert bm.allocate_slots(b, 1) is False  # pool exhausted
-
-
-def test_reset_prefix_cache_forgets_free_cached_blocks_only():
-    bm = BlockManager(8, 2, enable_prefix_caching=True)
-    a = make_request([1, 2, 3, 4, 5], req_id="a")
-    keep = make_request([6, 7, 8], req_id="keep")
-    admit(bm, a)
-    admit(bm, keep)
-    bm.free(a)
-    bm.reset_prefix_cache()
-    assert bm.num_free_blocks == 8 - 2
-    assert bm.allocate_prefix(make_request([1, 2, 3, 4, 5], req_id="x")) == 0
-    assert bm.allocate_prefix(make_request([6, 7, 9], req_id="y")) == 2  # in use: still cached
 
 
 # ---------------------------------------------------------------------- fork and copy-on-write
@@ -294,13 +284,19 @@ def test_fork_shares_blocks_by_reference():
     assert bm.ref_counts == [0] * 8 and bm.num_free_blocks == 8
 
 
+def forked(bm: BlockManager, prompt_len: int):
+    """(parent "p", child "c"): a computed prompt of ``prompt_len`` tokens and its fork."""
+    parent = make_request(prompt_len, req_id="p")
+    admit(bm, parent)
+    child = make_request(prompt_len, req_id="c")
+    bm.fork(parent, child)
+    child.num_computed_tokens = prompt_len
+    return parent, child
+
+
 def test_copy_on_write_copies_a_shared_partial_block_exactly_once():
     bm = BlockManager(8, 4)
-    parent = make_request(6, req_id="p")  # blocks [full, partial (2 of 4)]
-    admit(bm, parent)
-    child = make_request(6, req_id="c")
-    bm.fork(parent, child)
-    child.num_computed_tokens = 6
+    parent, child = forked(bm, 6)  # blocks [full, partial (2 of 4)]
     full, partial = bm.get_block_table("p")
     child.append_output_token(40)
     assert bm.allocate_slots(child, 1)
@@ -324,11 +320,7 @@ def test_copy_on_write_copies_a_shared_partial_block_exactly_once():
 
 def test_no_copy_when_the_shared_last_block_is_full():
     bm = BlockManager(8, 4)
-    parent = make_request(8, req_id="p")
-    admit(bm, parent)
-    child = make_request(8, req_id="c")
-    bm.fork(parent, child)
-    child.num_computed_tokens = 8
+    _, child = forked(bm, 8)
     assert bm.allocate_slots(child, 1)
     assert bm.take_pending_copies() == []
     assert bm.get_block_table("c")[:2] == bm.get_block_table("p")
@@ -337,14 +329,9 @@ def test_no_copy_when_the_shared_last_block_is_full():
 
 def test_copy_on_write_is_all_or_nothing():
     bm = BlockManager(2, 4)
-    parent = make_request(6, req_id="p")
-    admit(bm, parent)
-    child = make_request(6, req_id="c")
-    bm.fork(parent, child)
-    child.num_computed_tokens = 6
-    assert bm.can_allocate(child, 1) is False
+    _, child = forked(bm, 6)
     assert bm.allocate_slots(child, 1) is False
-    assert bm.pending_copies == []
+    assert bm.take_pending_copies() == []
     assert bm.get_block_table("c") == bm.get_block_table("p")
 
 
@@ -465,7 +452,7 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
     for i, (op, pick, n) in enumerate(ops):
         if op == "new" or not live:
             req = make_request([1 + (pick >> k) % 2 for k in range(n)], req_id=f"q{i}")
-            bm.allocate_prefix(req)
+            lookup(bm, req)
             assert req.num_computed_tokens % bs == 0 and req.num_computed_tokens < req.num_tokens
             if plan(req, req.num_tokens - req.num_computed_tokens):
                 live.append(req)
@@ -501,14 +488,15 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
         bm.free(req)
     assert bm.num_free_blocks == num_blocks
     assert bm.ref_counts == [0] * num_blocks
-    assert bm.block_tables == {} and bm.pending_copies == []
+    assert bm.block_tables == {} and bm.take_pending_copies() == []
 
 
 # ---------------------------------------------------------------------- boundaries
-def test_scheduler_and_block_manager_import_no_torch():
+def test_scheduler_block_manager_and_processors_import_no_torch():
     code = (
         "import sys\n"
         "import kvpilot.engine.scheduler, kvpilot.engine.block_manager, kvpilot.engine.request\n"
+        "import kvpilot.engine.input_processor, kvpilot.engine.output_processor, kvpilot.engine.stats\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"
         "print('ok')\n"

@@ -6,11 +6,15 @@ import json
 
 import pytest
 
-from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.config import ConfigError, EngineArgs
-from kvpilot.engine.memory import KVCacheSizeError
-from kvpilot.engine.models.config import UnsupportedModelError
-from kvpilot.engine.sampling_params import SamplingParamsError
+from kvpilot.engine import LLM, BeamSearchParams, SamplingParams
+from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.errors import (
+    ConfigError,
+    InvalidRequestError,
+    KVCacheSizeError,
+    SamplingParamsError,
+    UnsupportedModelError,
+)
 
 from ..conftest import build_checkpoint
 
@@ -68,11 +72,22 @@ def test_invalid_engine_args(kwargs, match):
         (dict(stop=[""]), "stop strings"),
         (dict(logprobs=50), "logprobs"),
         (dict(presence_penalty=3), "presence_penalty"),
+        (dict(temperature="hot"), "temperature must be a number"),
+        (dict(top_p=None), "top_p must be a number"),
     ],
 )
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(SamplingParamsError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=2, max_tokens=0), "max_tokens")],
+)
+def test_invalid_beam_search_params(kwargs, match):
+    with pytest.raises(SamplingParamsError, match=match):
+        BeamSearchParams(**kwargs)
 
 
 def test_max_model_len_that_cannot_fit_fails_at_start_with_the_fix(tiny_llama):
@@ -93,14 +108,25 @@ def test_bad_requests_are_rejected_and_the_rest_of_the_batch_completes(tiny_llam
     engine = llm.llm_engine
     good = [[5, 6, 7, 8], [9, 10, 11]]
     engine.add_request("a", good[0], SamplingParams(temperature=0.0, max_tokens=5))
-    with pytest.raises(ValueError, match="max_model_len is 120"):
+    vocab = engine.model_config.vocab_size
+    # Every refusal is an InvalidRequestError (the server's 400), and none leaves a trace.
+    with pytest.raises(InvalidRequestError, match="max_model_len is 120"):
         engine.add_request("too-long", list(range(5, 205)), SamplingParams(max_tokens=5))
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("empty", [], SamplingParams())
-    with pytest.raises(ValueError, match="token ids must be integers"):
+    with pytest.raises(InvalidRequestError, match="token ids must be integers"):
         engine.add_request("oov", [5, 10**6], SamplingParams())
-    with pytest.raises(ValueError, match="duplicate"):
+    with pytest.raises(InvalidRequestError, match="duplicate"):
         engine.add_request("a", good[0], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="stop_token_ids must be below the vocabulary size"):
+        engine.add_request("stops", good[1], SamplingParams(stop_token_ids=[vocab]))
+    with pytest.raises(InvalidRequestError, match=r"n=300 sequences exceed max_num_seqs \(256\)"):
+        engine.add_request("wide", good[1], SamplingParams(n=300))
+    with pytest.raises(InvalidRequestError, match=r"beam_width 300 exceeds max_num_seqs \(256\)"):
+        engine.add_beam_search_request("beams", good[1], BeamSearchParams(beam_width=300, max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        engine.add_beam_search_request("a", good[1], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert engine.get_num_unfinished_requests() == 1 and list(engine.scheduler.requests) == ["a"]
     engine.add_request("b", good[1], SamplingParams(temperature=0.0, max_tokens=5))
     done = {}
     while engine.has_unfinished_requests():

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 from ..conftest import build_checkpoint
 
@@ -33,6 +33,15 @@ def _hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
         do_sample=False,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def _assert_greedy_matches(llm: LLM, hf_model, prompts: list[list[int]], max_tokens: int) -> None:
+    """The engine's greedy tokens for ``prompts`` (one batch) equal transformers' for each alone."""
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    )
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == _hf_greedy(hf_model, p, max_tokens), f"prompt of {len(p)} tokens"
 
 
 @pytest.fixture(scope="module")
@@ -259,12 +268,7 @@ def test_other_architectures_match_transformers(tmp_path, tokenizer_dir, arch):
     if arch == "qwen2":
         assert hf.model.layers[0].self_attn.q_proj.bias is not None
     llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=256)
-    prompts = _prompts(llm.get_tokenizer(), 6, seed=4)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10)
-    )
-    for p, o in zip(prompts, outs, strict=True):
-        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 10)
+    _assert_greedy_matches(llm, hf, _prompts(llm.get_tokenizer(), 6, seed=4), max_tokens=10)
 
 
 def test_sharded_checkpoint_and_tied_embeddings(tmp_path, tokenizer_dir):
@@ -276,12 +280,7 @@ def test_sharded_checkpoint_and_tied_embeddings(tmp_path, tokenizer_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(str(model_dir), block_size=8, num_gpu_blocks_override=128)
     assert llm.llm_engine.model.lm_head is None
-    prompts = _prompts(llm.get_tokenizer(), 4, seed=6)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10)
-    )
-    for p, o in zip(prompts, outs, strict=True):
-        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 10)
+    _assert_greedy_matches(llm, hf, _prompts(llm.get_tokenizer(), 4, seed=6), max_tokens=10)
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path, tokenizer_dir):

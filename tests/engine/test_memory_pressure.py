@@ -34,6 +34,18 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], _Recorder]:
     return [o.outputs[0].token_ids for o in outs], rec
 
 
+def _tiny_pool_llm(tiny_llama, **engine_args) -> LLM:
+    """16 blocks of 8 = 128 tokens for 24 requests of up to 64 tokens each: constant preemption."""
+    return LLM(
+        str(tiny_llama),
+        block_size=8,
+        num_gpu_blocks_override=16,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        **engine_args,
+    )
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """Greedy outputs with a pool big enough that nothing is ever preempted."""
@@ -57,17 +69,12 @@ def reference(tiny_llama):
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_tiny_pool_preempts_and_loses_nothing(tiny_llama, reference, mode, prefix_caching):
     prompts, params, expected = reference
-    # 16 blocks of 8 = 128 tokens for 24 requests of up to 64 tokens each: constant preemption.
-    llm = LLM(
-        str(tiny_llama),
-        block_size=8,
-        num_gpu_blocks_override=16,
-        max_model_len=128,
-        max_num_batched_tokens=64,
+    llm = _tiny_pool_llm(
+        tiny_llama,
         preemption_mode=mode,
         enable_prefix_caching=prefix_caching,
-        swap_space=6 * 2 * 2 * 8 * 2 * 16 * 4 / 2**30,
-    )  # room for 6 blocks of 2 KiB
+        swap_space=6 * 2 * 2 * 8 * 2 * 16 * 4 / 2**30,  # room for 6 blocks of 2 KiB
+    )
     engine = llm.llm_engine
     if mode == "swap":
         assert engine.num_cpu_blocks == 6
@@ -92,16 +99,7 @@ def test_tiny_pool_preempts_and_loses_nothing(tiny_llama, reference, mode, prefi
 def test_swap_mode_without_fallback(tiny_llama, reference):
     """With a CPU pool that holds everything, every preemption is a swap (no recompute at all)."""
     prompts, params, expected = reference
-    llm = LLM(
-        str(tiny_llama),
-        block_size=8,
-        num_gpu_blocks_override=16,
-        max_model_len=128,
-        max_num_batched_tokens=64,
-        preemption_mode="swap",
-        swap_space=0.01,
-        enable_prefix_caching=False,
-    )
+    llm = _tiny_pool_llm(tiny_llama, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False)
     outs, rec = _run(llm, prompts, params)
     assert outs == expected
     final = llm.llm_engine.stats()

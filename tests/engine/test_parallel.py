@@ -27,11 +27,13 @@ from safetensors.torch import load_file, save_file
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.async_engine import AsyncEngine
-from kvpilot.engine.config import ConfigError
+from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.metrics import PrometheusStatLogger
+from kvpilot.engine.model_runner import split_micro_batches
 from kvpilot.engine.models.config import ModelConfig
+from kvpilot.engine.models.llama import HeldByOtherStage
 from kvpilot.engine.parallel import WorkerDiedError, validate_parallel_sizes
-from kvpilot.engine.parallel.runner import split_micro_batches
 from kvpilot.engine.parallel.worker import encode
 
 from ..conftest import build_checkpoint
@@ -139,14 +141,11 @@ def _check_same_as_reference(llm: LLM, reference, mode: str, num_requests: int) 
     ],
     ids=["tp2-recompute", "tp2-swap", "pp2-recompute", "pp2-swap", "tp2xpp2-swap"],
 )
-def test_same_tokens_as_one_process_under_preemption(
-    tiny_llama, reference, tp, pp, mode, num_requests, monkeypatch
-):
-    if (tp, pp, mode) == (1, 2, "swap"):
-        monkeypatch.setenv(
-            "KVPILOT_PP_MICRO_BATCHES", "2"
-        )  # two micro-batches in flight (workers inherit it)
-    with _parallel_engine(tiny_llama, tp, pp, mode) as llm:
+def test_same_tokens_as_one_process_under_preemption(tiny_llama, reference, tp, pp, mode, num_requests):
+    # Two micro-batches in flight for pp2-swap; tp2-swap asks for them too, and without pipeline stages
+    # there is nothing to split.
+    micro = dict(pipeline_micro_batches=2) if mode == "swap" and tp * pp == 2 else {}
+    with _parallel_engine(tiny_llama, tp, pp, mode, **micro) as llm:
         executor = llm.llm_engine.executor
         pids = executor.worker_pids
         assert len(pids) == tp * pp - 1
@@ -162,7 +161,7 @@ def test_same_tokens_as_one_process_under_preemption(
 
 def test_replicated_kv_head_biases_tied_and_padded_vocabulary(tmp_path, tokenizer_dir):
     """Qwen2 (q/k/v biases) with 1 KV head over 2 ranks (replicated), tied embeddings and a vocabulary
-    that does not split evenly (1021 rows: the last shard is padded)."""
+    that does not split evenly (1021 rows: the last shard is padded); the tied head over 2 stages."""
     model_dir = build_checkpoint(
         tmp_path / "qwen2",
         tokenizer_dir,
@@ -181,6 +180,10 @@ def test_replicated_kv_head_biases_tied_and_padded_vocabulary(tmp_path, tokenize
     assert [a is None for a in logprobs] == [b is None for b in expected_logprobs]
     assert "KV heads 0-0 of 1 (replicated)" in reports[1].description
     assert "rows 511-1020 of 1021" in reports[1].description
+    # Two stages: the last one holds its own copy of the tied table (the first one embeds).
+    with LLM(str(model_dir), block_size=8, num_gpu_blocks_override=512, pipeline_parallel_size=2) as llm:
+        assert _generate(llm, prompts, params)[0] == expected
+        assert isinstance(llm.llm_engine.model.lm_head, HeldByOtherStage)  # rank 0 is the first stage
 
 
 @pytest.fixture(scope="module")
@@ -318,8 +321,15 @@ def test_worker_killed_mid_generation_fails_fast(tiny_llama):
 def test_worker_exception_mid_run_is_raised_with_its_message(tiny_llama):
     """A worker that raises (here: fed a malformed step through its pipe) reports its exception and
     exits; the engine's next step fails with that exception, not just "a peer closed the connection"."""
-    with LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=64, tensor_parallel_size=2) as llm:
+    with LLM(
+        str(tiny_llama),
+        block_size=8,
+        num_gpu_blocks_override=64,
+        tensor_parallel_size=2,
+        distributed_timeout_s=120.0,
+    ) as llm:
         executor = llm.llm_engine.executor
+        assert executor.rank.spec.comm.timeout_s == 120.0  # what every rank's collectives wait at most
         llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
         executor._workers[0].conn.send_bytes(encode(("execute", None)))
         with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\): AttributeError: 'NoneType'") as err:
@@ -328,20 +338,45 @@ def test_worker_exception_mid_run_is_raised_with_its_message(tiny_llama):
         assert "has_block_ops" in str(err.value.__cause__.__cause__)  # the worker's traceback
 
 
-def test_worker_error_at_start_up_is_raised_with_its_rank(tmp_path, tiny_llama):
-    """Stage 1's layer lacks a tensor: the worker's own ValueError reaches the caller, nothing is left."""
-    model_dir = tmp_path / "broken"
-    model_dir.mkdir()
+def _edited_checkpoint(tiny_llama, out_dir: Path, edit) -> Path:
+    """A copy of the tiny checkpoint whose tensors dict went through ``edit`` (in place)."""
+    out_dir.mkdir()
     for path in Path(tiny_llama).iterdir():
         if path.suffix != ".safetensors":
-            (model_dir / path.name).write_bytes(path.read_bytes())
+            (out_dir / path.name).write_bytes(path.read_bytes())
     (weights,) = Path(tiny_llama).glob("*.safetensors")
     tensors = load_file(weights)
-    del tensors["model.layers.1.mlp.down_proj.weight"]
-    save_file(tensors, model_dir / weights.name, metadata={"format": "pt"})
+    edit(tensors)
+    save_file(tensors, out_dir / weights.name, metadata={"format": "pt"})
+    return out_dir
+
+
+def test_worker_error_at_start_up_is_raised_with_its_rank(tmp_path, tiny_llama):
+    """Stage 1's layer lacks a tensor: the worker's own ValueError reaches the caller, nothing is left."""
+    model_dir = _edited_checkpoint(
+        tiny_llama, tmp_path / "broken", lambda t: t.pop("model.layers.1.mlp.down_proj.weight")
+    )
     with pytest.raises(ValueError, match="lacks weights for: model.layers.1.mlp.down_proj.weight") as err:
         LLM(str(model_dir), num_gpu_blocks_override=64, max_model_len=128, pipeline_parallel_size=2)
     assert any("parallel worker rank 1" in note for note in getattr(err.value, "__notes__", []))
+
+
+def test_checkpoint_errors_name_the_checkpoint_tensor(tmp_path, tiny_llama):
+    """One loader at every size: a missing part of a fused parameter is named by its checkpoint tensor,
+    and a tensor of the wrong shape by its name and both shapes."""
+    no_k = _edited_checkpoint(
+        tiny_llama, tmp_path / "no-k", lambda t: t.pop("model.layers.0.self_attn.k_proj.weight")
+    )
+    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.0\.self_attn\.k_proj\.weight$"):
+        LLM(str(no_k), num_gpu_blocks_override=64, max_model_len=128)
+
+    def shrink(tensors):
+        name = "model.layers.1.mlp.up_proj.weight"
+        tensors[name] = tensors[name][:-1].clone()
+
+    narrow = _edited_checkpoint(tiny_llama, tmp_path / "narrow", shrink)
+    with pytest.raises(ValueError, match=r"checkpoint tensor model\.layers\.1\.mlp\.up_proj\.weight \(shape"):
+        LLM(str(narrow), num_gpu_blocks_override=64, max_model_len=128)
 
 
 def test_killed_driver_takes_its_workers_down(tiny_llama):
@@ -381,6 +416,19 @@ def test_invalid_sizes_are_rejected_with_the_allowed_values(tiny_llama):
     with pytest.raises(ConfigError, match=r"2 x 2 = 4 ranks need one CUDA device each, but 2 are visible"):
         validate_parallel_sizes(cfg, 2, 2, "cuda", 2)
     assert validate_parallel_sizes(cfg, 2, 2, "cpu", 0).world_size == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(pipeline_micro_batches=0), "pipeline_micro_batches must be a positive integer, got 0"),
+        (dict(distributed_timeout_s=0), "distributed_timeout_s must be a positive number of seconds"),
+        (dict(distributed_timeout_s="5"), "distributed_timeout_s must be a positive number of seconds"),
+    ],
+)
+def test_parallel_engine_args_are_validated(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineArgs(model="x", **kwargs)
 
 
 def test_layout_splits_heads_layers_and_vocabulary():

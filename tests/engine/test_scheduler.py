@@ -9,6 +9,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.request import RequestStatus
 
 from .conftest import (
@@ -71,7 +72,7 @@ def test_add_request_rejects_prompts_that_reach_max_model_len(prompt_len):
     sched = make_scheduler(max_model_len=16)
     with pytest.raises(ValueError, match=rf"prompt has {prompt_len} tokens but max_model_len is 16"):
         sched.add_request(make_request(prompt_len))
-    assert not sched.has_unfinished and not sched.waiting
+    assert not sched.requests and not sched.waiting
 
 
 def test_max_tokens_is_clipped_to_max_model_len():
@@ -211,7 +212,7 @@ def test_first_admissions_follow_arrival_order():
         sched.add_request(r)
     order: list[str] = []
     model = FakeModel(2)
-    while sched.has_unfinished:
+    while sched.requests:
         out, _ = step(sched, model)
         order += [i.req_id for i in out.scheduled if i.req_id not in order]
     assert order == [r.req_id for r in reqs]
@@ -411,7 +412,7 @@ def test_max_tokens_finishes_with_length_and_reports_updates():
     _, ups = step(sched, model)
     assert [(u.request.req_id, u.new_token_id, u.finished) for u in ups] == [("a", 12, True)]
     assert req.finish_reason == "length" and req.finished_time is not None
-    assert not sched.has_unfinished and sched.running == []
+    assert not sched.requests and sched.running == []
 
 
 def test_chunks_without_sampling_report_no_update():
@@ -420,6 +421,26 @@ def test_chunks_without_sampling_report_no_update():
     out, ups = step(sched)
     assert layout(out) == [("a", 0, 4, False)] and ups == []
     assert sched.requests["a"].num_computed_tokens == 4
+
+
+def test_update_appends_the_runner_output_tokens_and_logprobs():
+    sched = make_scheduler()
+    a, b = make_request(3, req_id="a", logprobs=1), make_request(3, req_id="b")
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    runner_out = ModelRunnerOutput(["b", "a"], [7, 5], [None, {5: -0.5, 6: -1.5}])
+    ups = sched.update_from_output(out, runner_out)
+    assert [(u.request.req_id, u.new_token_id, u.prev_token_time) for u in ups] == [
+        ("a", 5, None),
+        ("b", 7, None),
+    ]
+    assert (a.output_token_ids, a.logprobs) == ([5], [{5: -0.5, 6: -1.5}])
+    assert (b.output_token_ids, b.logprobs) == ([7], None)
+    first = a.last_token_time
+    ups = sched.update_from_output(sched.schedule(), ModelRunnerOutput(["a", "b"], [6, 8], [{6: -0.1}, None]))
+    assert ups[0].request is a and ups[0].prev_token_time == first
+    assert (a.output_token_ids, a.logprobs[-1], b.output_token_ids) == ([5, 6], {6: -0.1}, [7, 8])
 
 
 # ---------------------------------------------------------------------- abort and finish
@@ -433,7 +454,7 @@ def test_abort_running_and_waiting_frees_blocks():
     done = sched.abort_requests(["run", "wait", "unknown", "run"])
     assert done == [run, wait]
     assert run.finish_reason == wait.finish_reason == "abort"
-    assert sched.running == [] and not sched.waiting and not sched.has_unfinished
+    assert sched.running == [] and not sched.waiting and not sched.requests
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     assert sched.block_manager.block_tables == {}
     assert sched.schedule().is_empty
@@ -459,7 +480,7 @@ def test_finish_requests_from_outside_the_step():
     sched.add_request(req)
     step(sched)
     assert sched.finish_requests(["a"], RequestStatus.FINISHED_STOPPED) == [req]
-    assert req.finish_reason == "stop" and sched.num_unfinished == 0
+    assert req.finish_reason == "stop" and not sched.requests
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
@@ -580,7 +601,7 @@ def drive(
                 assert all(r.req_id not in sched.requests for r in group)
         for req in sched.abort_requests(aborts.pop(now, [])):
             finished_at[req.req_id] = now
-        if now > last_arrival and not sched.has_unfinished:
+        if now > last_arrival and not sched.requests:
             break
         before = snapshot(sched)
         running_before = list(sched.running)
@@ -642,6 +663,14 @@ def drive(
         assert req.num_tokens <= config["max_model_len"]
 
 
+def request_specs(min_prompt_len=1, aborts=None, n=None, *, min_size: int, max_size: int):
+    """Lists of ``drive`` request specs: arrival step 0-6, prompt family, prompt length up to 24,
+    max_tokens up to 10, abort after (``aborts``, default never), may stop on EOS[, ``n``]."""
+    fields = [st.integers(0, 6), st.integers(0, 2), st.integers(min_prompt_len, 24), st.integers(1, 10)]
+    fields += [st.none() if aborts is None else aborts, st.booleans()] + ([] if n is None else [n])
+    return st.lists(st.tuples(*fields), min_size=min_size, max_size=max_size)
+
+
 @pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 @settings(max_examples=300, deadline=None)
 @given(case=workloads())
@@ -652,20 +681,7 @@ def test_random_workloads_keep_every_invariant(caching, case):
 
 @pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 @settings(max_examples=100, deadline=None)
-@given(
-    requests=st.lists(
-        st.tuples(
-            st.integers(0, 6),
-            st.integers(0, 2),
-            st.integers(1, 24),
-            st.integers(1, 10),
-            st.none(),
-            st.booleans(),
-        ),
-        min_size=4,
-        max_size=10,
-    )
-)
+@given(requests=request_specs(min_size=4, max_size=10))
 def test_tiny_pool_preempts_and_still_finishes_everything(caching, requests):
     config = dict(block_size=2, num_blocks=8, max_num_seqs=4, max_model_len=32, max_num_batched_tokens=8)
     drive(config, requests, caching)
@@ -674,18 +690,8 @@ def test_tiny_pool_preempts_and_still_finishes_everything(caching, requests):
 @pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 @settings(max_examples=150, deadline=None)
 @given(
-    requests=st.lists(
-        st.tuples(
-            st.integers(0, 6),
-            st.integers(0, 2),
-            st.integers(1, 24),
-            st.integers(1, 10),
-            st.none() | st.integers(0, 20),
-            st.booleans(),
-            st.integers(1, 3),
-        ),
-        min_size=3,
-        max_size=9,
+    requests=request_specs(
+        aborts=st.none() | st.integers(0, 20), n=st.integers(1, 3), min_size=3, max_size=9
     ),
     cpu_blocks=st.integers(0, 12),
 )
@@ -697,21 +703,7 @@ def test_swap_mode_and_parallel_sampling_lose_nothing(caching, requests, cpu_blo
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    requests=st.lists(
-        st.tuples(
-            st.integers(0, 6),
-            st.integers(0, 2),
-            st.integers(2, 24),
-            st.integers(1, 10),
-            st.none(),
-            st.booleans(),
-            st.integers(2, 4),
-        ),
-        min_size=2,
-        max_size=6,
-    )
-)
+@given(requests=request_specs(min_prompt_len=2, n=st.integers(2, 4), min_size=2, max_size=6))
 def test_parallel_sampling_groups_with_recompute(requests):
     config = dict(block_size=4, num_blocks=12, max_num_seqs=6, max_model_len=40, max_num_batched_tokens=12)
     drive(config, requests, caching=True)

@@ -1,4 +1,4 @@
-"""Backend choice: names, the environment override, and the torch path with triton absent."""
+"""Backend choice: names, the engine argument as the one source, and the torch path with triton absent."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 from kvpilot.kernels import get_backend, resolve_backend_name, torch_ops
 
 
-def test_explicit_names_and_auto_on_cpu(monkeypatch):
-    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+def test_explicit_names_and_auto_on_cpu():
     assert resolve_backend_name("torch", "cuda") == "torch"
     assert resolve_backend_name("triton", "cpu") == "triton"
     assert resolve_backend_name("auto", "cpu") == "torch"
@@ -20,14 +19,15 @@ def test_explicit_names_and_auto_on_cpu(monkeypatch):
     assert backend.name == "torch" and backend.paged_attention is torch_ops.paged_attention
 
 
-def test_environment_overrides_auto_only(monkeypatch):
+def test_the_name_given_is_the_one_source(monkeypatch):
+    """The ``attention_backend`` engine argument decides; the environment variable that once overrode
+    ``auto`` does nothing."""
     monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "triton")
-    assert resolve_backend_name("auto", "cpu") == "triton"
-    assert resolve_backend_name("torch", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("triton", "cpu") == "triton"
 
 
-def test_unknown_name_is_rejected(monkeypatch):
-    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+def test_unknown_name_is_rejected():
     with pytest.raises(ValueError, match="auto, torch, triton"):
         resolve_backend_name("flash", "cpu")
 

@@ -38,6 +38,8 @@ import jsonpatch
 import kmock
 import yaml
 
+from kvpilot.operator.api.patch import merge_patch
+
 WRITE_ACTIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
 RBAC_VERBS = {
     (kmock.action.FETCH, "GET"): "get",
@@ -60,19 +62,6 @@ def merge_diff(old: Any, new: Any) -> Any:
         elif old[key] != value:
             patch[key] = merge_diff(old[key], value)
     return patch
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """Apply a JSON merge patch (RFC 7386)."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
 
 
 def matches_selector(obj: dict[str, Any], selector: str) -> bool:

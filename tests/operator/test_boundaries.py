@@ -12,12 +12,15 @@ import pytest
 from tests.operator.conftest import REPO
 
 OPERATOR = REPO / "operator"
-# Folders whose job is pure: they decide, the modules outside them act.
-PURE_FOLDERS = ("api", "render", "remediation")
+# Folders that import no client: api, render and remediation decide; reconcile acts only through the
+# API client it is handed (``api.rest.Kube``), so it imports none either.
+PURE_FOLDERS = ("api", "render", "reconcile", "remediation")
 # The remediation loop and its scraper do the I/O of remediation; everything else there is pure.
 IO_MODULES = {"remediation.loop", "remediation.scrape"}
 # matplotlib too: the demo imports it only when it draws the plot.
 HEAVY = {"torch", "transformers", "tokenizers", "safetensors", "triton", "numpy", "matplotlib"}
+# Folders only `kvpilot up` and `make demo` use; the operator image leaves them out.
+LOCAL_ONLY = ("local", "demo")
 CLIENTS = {"kopf", "aiohttp", "kubernetes", "kmock", "requests", "httpx", "urllib3"}
 
 
@@ -33,18 +36,24 @@ def modules(folder=None) -> list[str]:
     return found
 
 
-def imported_after(names: list[str]) -> set[str]:
+def loaded_after(names: list[str]) -> set[str]:
+    """Every module a fresh interpreter holds after importing ``names`` (under kvpilot.operator)."""
     code = (
         "import importlib, json, sys\n"
         f"for name in {names!r}:\n"
         "    importlib.import_module('kvpilot.operator.' + name)\n"
-        "print(json.dumps(sorted(m.split('.')[0] for m in sys.modules)))\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert result.returncode == 0, result.stderr
     return set(json.loads(result.stdout))
+
+
+def imported_after(names: list[str]) -> set[str]:
+    """The top-level packages loaded by importing ``names``."""
+    return {m.split(".")[0] for m in loaded_after(names)}
 
 
 def test_every_operator_module_is_found():
@@ -56,6 +65,17 @@ def test_operator_never_imports_torch_or_transformers():
     loaded = imported_after(modules())
     assert {"kopf", "aiohttp"} <= loaded  # the probe really imported the handlers and the local platform
     assert HEAVY & loaded == set()
+
+
+def test_the_cluster_operator_needs_neither_the_local_platform_nor_the_demo():
+    # The operator image removes both folders (Dockerfile): nothing else may import them.
+    cluster = [n for n in modules() if n.split(".")[0] not in LOCAL_ONLY]
+    loaded = {m for m in loaded_after(cluster) if m.startswith("kvpilot.operator.")}
+    assert "kvpilot.operator.handlers" in loaded
+    assert {m for m in loaded if m.split(".")[2] in LOCAL_ONLY} == set()
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for folder in LOCAL_ONLY:
+        assert f"kvpilot/operator/{folder}" in dockerfile, f"the operator image keeps {folder}/"
 
 
 @pytest.mark.parametrize("folder", PURE_FOLDERS)

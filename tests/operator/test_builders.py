@@ -9,6 +9,8 @@ import pytest
 
 from kvpilot.engine.config import EngineArgs, engine_arg_fields, flag_name
 from kvpilot.operator.api import names
+from kvpilot.operator.api.settings import resolve
+from kvpilot.operator.api.spec import ENGINE_KEYS
 from kvpilot.operator.render.builders import (
     build_children,
     build_deployment,
@@ -17,18 +19,16 @@ from kvpilot.operator.render.builders import (
     content_hash,
     selector_string,
 )
-from kvpilot.operator.api.effective import resolve_effective
 from kvpilot.operator.render.podspec import gpu_count
-from kvpilot.operator.api.spec import apply_defaults
 from tests.operator.conftest import K8S_VERSION
 
 
 def children_of(isvc):
-    return {c["kind"]: c for c in build_children(isvc, resolve_effective(isvc))}
+    return {c["kind"]: c for c in build_children(resolve(isvc))}
 
 
 def engine_container(isvc):
-    deployment = build_deployment(isvc, resolve_effective(isvc))
+    deployment = build_deployment(resolve(isvc))
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return deployment, container
 
@@ -155,6 +155,8 @@ def test_every_engine_key_renders_a_flag_the_engine_parses(make_isvc):
         "swapSpace": 2,
         "tensorParallelSize": 2,
         "pipelineParallelSize": 1,
+        "pipelineMicroBatches": 2,
+        "distributedTimeoutS": 120.0,
         "dtype": "bfloat16",
         "device": "cuda",
         "attentionBackend": "triton",
@@ -162,8 +164,6 @@ def test_every_engine_key_renders_a_flag_the_engine_parses(make_isvc):
     }
     _, container = engine_container(make_isvc(engine=engine))
     parsed = vars(serve_parser().parse_args(container["args"]))
-    from kvpilot.operator.api.spec import ENGINE_KEYS
-
     assert set(engine) == set(ENGINE_KEYS), "extend this table when the engine gains an argument"
     assert {key: parsed[ENGINE_KEYS[key].name] for key in engine} == engine
 
@@ -180,7 +180,7 @@ def test_every_engine_key_renders_a_flag_the_engine_parses(make_isvc):
 def test_gpu_limit_is_per_shard_times_tp_times_pp(make_isvc, resources, engine, gpus):
     isvc = make_isvc(resources=resources, engine=engine)
     _, container = engine_container(isvc)
-    assert gpu_count(apply_defaults(isvc["spec"]), resolve_effective(isvc)) == gpus
+    assert gpu_count(resolve(isvc).spec, resolve(isvc).effective) == gpus
     assert container["resources"].get("limits", {}).get("nvidia.com/gpu") == (str(gpus) if gpus else None)
 
 
@@ -264,12 +264,12 @@ def test_labels_selectors_and_owner_references(make_isvc):
 
 def test_without_uid_there_is_no_owner_reference(make_isvc):
     isvc = make_isvc({"metadata.uid": make_isvc.DELETE})
-    assert all("ownerReferences" not in c["metadata"] for c in build_children(isvc, resolve_effective(isvc)))
+    assert all("ownerReferences" not in c["metadata"] for c in build_children(resolve(isvc)))
 
 
 def test_hashes_are_stable_and_follow_every_change(make_isvc):
     def hashes(isvc):
-        deployment = build_deployment(isvc, resolve_effective(isvc))
+        deployment = build_deployment(resolve(isvc))
         return (
             deployment["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH],
             deployment["spec"]["template"]["metadata"]["labels"][names.LABEL_TEMPLATE_HASH],
@@ -281,7 +281,7 @@ def test_hashes_are_stable_and_follow_every_change(make_isvc):
     assert config_only[0] != base[0] and config_only[1] == base[1]  # scaling is not a new template
     new_args = hashes(make_isvc(engine={"maxNumSeqs": 64}))
     assert new_args[0] != base[0] and new_args[1] != base[1]
-    service = build_service(make_isvc(), resolve_effective(make_isvc()))
+    service = build_service(make_isvc())
     assert service["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH] != base[0]
     assert content_hash({"a": 1, "b": 2}) == content_hash({"b": 2, "a": 1})
 
@@ -329,11 +329,11 @@ def test_service_monitor_only_when_enabled(make_isvc):
 )
 def test_every_child_is_a_valid_kubernetes_object(make_isvc, spec, version):
     isvc = make_isvc(**spec)
-    for child in build_children(isvc, resolve_effective(isvc)):
+    for child in build_children(resolve(isvc)):
         assert kubernetes_validate.validate(child, version, strict=True)
 
 
 def test_pdb_and_service_ignore_engine_changes(make_isvc):
     a, b = make_isvc(), make_isvc(engine={"maxNumSeqs": 8})
-    assert build_pdb(a, resolve_effective(a)) == build_pdb(b, resolve_effective(b))
-    assert build_service(a, resolve_effective(a)) == build_service(b, resolve_effective(b))
+    assert build_pdb(a) == build_pdb(b)
+    assert build_service(a) == build_service(b)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import re
 from typing import Any
 
 import jsonschema
@@ -11,8 +13,9 @@ import yaml
 
 from kvpilot.engine import config as engine_config
 from kvpilot.operator.api import names
-from kvpilot.operator.api.effective import LEVERS, resolve_effective
-from kvpilot.operator.api.spec import DEFAULTS, ENGINE_KEYS, NOT_PER_POD, apply_defaults
+from kvpilot.operator.api.effective import LEVERS
+from kvpilot.operator.api.settings import Limits, RemediationSettings, resolve
+from kvpilot.operator.api.spec import DEFAULTS, ENGINE_KEYS, NOT_PER_POD, apply_defaults, parse_duration
 from kvpilot.operator.reconcile.status import OWNED_EFFECTIVE_KEYS, desired_status
 from tests.operator.conftest import CHART, CRD_PATH
 from tests.operator.crd_schema import apply_schema_defaults, schema_errors
@@ -107,6 +110,29 @@ def test_python_defaults_equal_the_crd_defaults(crd_schema, spec):
     assert set(DEFAULTS) <= set(crd_schema["properties"]["spec"]["properties"])
 
 
+def test_remediation_settings_take_the_crd_defaults_and_have_none_of_their_own(crd_schema):
+    spec = {"model": {"source": "pvc://m/x"}, "image": "i"}
+    isvc = {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": "x"}, "spec": spec}
+    crd = apply_schema_defaults({"spec": spec}, crd_schema)["spec"]["remediation"]
+    settings = resolve(isvc).remediation
+    assert (settings.mode, settings.preemption_rate) == (crd["mode"], crd["preemptionRate"])
+    assert (settings.window_s, settings.cooldown_s) == (
+        parse_duration(crd["window"]),
+        parse_duration(crd["cooldown"]),
+    )
+    snake = {key: re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower() for key in crd["limits"]}
+    assert {snake[k]: v for k, v in crd["limits"].items()} == dataclasses.asdict(settings.limits)
+    thresholds = crd["thresholds"]
+    assert (settings.kv_usage_high, settings.waiting_high, settings.kv_usage_idle) == (
+        thresholds["kvCacheUsageHigh"],
+        thresholds["requestsWaitingHigh"],
+        thresholds["kvCacheUsageIdle"],
+    )
+    # One table of defaults (spec.DEFAULTS, checked against the CRD above): the typed settings add none.
+    for cls in (RemediationSettings, Limits):
+        assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(cls)), cls
+
+
 def test_printer_columns_answer_the_first_questions(crd, crd_schema):
     columns = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert columns == {
@@ -145,7 +171,7 @@ def test_status_the_operator_writes_fits_the_status_schema(crd_schema, make_isvc
         },
     }
     now = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
-    status = desired_status(isvc, resolve_effective(isvc), deployment, [], "a=b", now)
+    status = desired_status(isvc, resolve(isvc).effective, deployment, [], "a=b", now)
     status["effective"]["overrides"] = isvc["status"]["effective"]["overrides"]
     jsonschema.Draft4Validator(crd_schema["properties"]["status"]).validate(status)
     assert status["phase"] == "Ready"

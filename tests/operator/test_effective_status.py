@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 
-from kvpilot.operator.api.effective import resolve_effective
+from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import ModelSourceError, parse_duration, parse_model_source, parse_quantity
 from kvpilot.operator.reconcile.status import desired_status, merge_conditions, rollout_state, status_patch
 
@@ -59,13 +59,13 @@ def with_overrides(isvc, **overrides):
     ],
 )
 def test_effective_is_spec_plus_current_overrides(make_isvc, overrides, engine, replicas, applied):
-    effective = resolve_effective(with_overrides(make_isvc(), **overrides))
+    effective = resolve(with_overrides(make_isvc(), **overrides)).effective
     assert (effective.engine, effective.replicas, effective.applied_overrides) == (engine, replicas, applied)
     assert all(isinstance(v, int) for k, v in effective.engine.items() if k == "maxNumBatchedTokens")
 
 
 def test_reported_effective_fills_engine_defaults(make_isvc):
-    reported = resolve_effective(make_isvc(engine={"maxModelLen": 4096})).reported(generation=7)
+    reported = resolve(make_isvc(engine={"maxModelLen": 4096})).effective.reported(generation=7)
     assert reported == {
         "gpuMemoryUtilization": 0.9,
         "maxNumSeqs": 256,
@@ -148,16 +148,16 @@ def test_conditions_keep_transition_times_and_foreign_conditions():
 def test_status_patch_is_none_when_nothing_owned_changed(make_isvc):
     isvc = make_isvc()
     ready = deployment()
-    desired = desired_status(isvc, resolve_effective(isvc), ready, [], "sel", NOW)
+    desired = desired_status(isvc, resolve(isvc).effective, ready, [], "sel", NOW)
     assert status_patch(None, desired) == desired
     isvc["status"] = {
         **desired,
         "signals": {"kvCacheUsage": 0.5},
         "effective": {**desired["effective"], "overrides": {}},
     }
-    again = desired_status(isvc, resolve_effective(isvc), ready, [], "sel", LATER)
+    again = desired_status(isvc, resolve(isvc).effective, ready, [], "sel", LATER)
     assert status_patch(isvc["status"], again) is None
-    scaled = desired_status(isvc, resolve_effective(isvc), deployment(ready=1, available=1), [], "sel", LATER)
+    scaled = desired_status(isvc, resolve(isvc).effective, deployment(ready=1, available=1), [], "sel", LATER)
     patch = status_patch(isvc["status"], scaled)
     assert set(patch) == {"phase", "readyReplicas", "conditions"} and patch["readyReplicas"] == 1
     # A reported key that no longer applies is removed; overrides are never touched.

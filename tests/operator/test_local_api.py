@@ -9,14 +9,14 @@ import copy
 import pytest
 
 from kvpilot.operator.api import names
-from kvpilot.operator.render.builders import build_children
-from kvpilot.operator.api.effective import resolve_effective
-from kvpilot.operator.kube import ApiError, object_path
-from kvpilot.operator.local.platform import local_model_problem, prepare, status_line
+from kvpilot.operator.api.rest import ApiError, object_path
+from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.local.api import LocalApi, matches
 from kvpilot.operator.local.frontdoor import FrontDoor
+from kvpilot.operator.local.platform import local_model_problem, prepare, status_line
 from kvpilot.operator.local.process import assign_gpus, gpus_requested, local_args, local_env
 from kvpilot.operator.reconcile.reconciler import reconcile
+from kvpilot.operator.render.builders import build_children
 
 ISVC_PATH = object_path(names.API_VERSION, names.KIND, "llm", "llama")
 DEPLOYMENT_PATH = object_path("apps/v1", "Deployment", "llm", "llama")
@@ -39,18 +39,18 @@ def test_reconcile_renders_exactly_what_the_builders_build(make_isvc):
     api = LocalApi()
     isvc = stored(make_isvc, api)
     assert isvc["metadata"]["generation"] == 1 and isvc["metadata"]["uid"]
-    outcome = run(reconcile(api, isvc, _noop))
+    outcome = run(reconcile(api, resolve(isvc), _noop))
     assert outcome.problems == [] and outcome.conflicts == []
     assert sorted(outcome.written) == ["Created Deployment llama", "Created PodDisruptionBudget llama",
                                        "Created Service llama"]  # fmt: skip
-    expected = {c["kind"]: c for c in build_children(isvc, resolve_effective(isvc))}
+    expected = {c["kind"]: c for c in build_children(resolve(isvc))}
     deployment = api.read(DEPLOYMENT_PATH)
     assert deployment["spec"] == expected["Deployment"]["spec"]
     assert deployment["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
     status = api.read(ISVC_PATH)["status"]
     assert status["phase"] == "Pending" and status["effective"]["replicas"] == 2
     # A second pass over an unchanged object writes nothing (the operator's idempotence holds here too).
-    again = run(reconcile(api, api.read(ISVC_PATH), _noop))
+    again = run(reconcile(api, resolve(api.read(ISVC_PATH)), _noop))
     assert again.written == [] and not again.status_written
 
 
@@ -70,7 +70,7 @@ def test_status_writes_are_isolated_and_stale_ones_refused(make_isvc):
 def test_apply_keeps_status_and_bumps_the_generation_on_spec_changes_only(make_isvc):
     api = LocalApi()
     isvc = stored(make_isvc, api)
-    run(reconcile(api, isvc, _noop))
+    run(reconcile(api, resolve(isvc), _noop))
     deployment = api.read(DEPLOYMENT_PATH)
     assert api.write_status(DEPLOYMENT_PATH, {"readyReplicas": 2})
     assert not api.write_status(DEPLOYMENT_PATH, {"readyReplicas": 2})  # unchanged: no write
@@ -105,7 +105,7 @@ def test_lists_honour_label_selectors_and_missing_objects_are_404(make_isvc):
 
 def _container(make_isvc, **spec) -> dict:
     isvc = make_isvc(**spec)
-    deployment = build_children(isvc, resolve_effective(isvc))[0]
+    deployment = build_children(resolve(isvc))[0]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container
 

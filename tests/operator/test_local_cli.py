@@ -88,7 +88,15 @@ def test_demo_quick_closes_the_loop(tmp_path, tiny_llama):
     env = {**os.environ, "KVPILOT_DEMO_QUICK": "1", "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "kvpilot.operator.demo.run", "--model", str(tiny_llama), "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "kvpilot.operator.demo.run",
+            "--model",
+            str(tiny_llama),
+            "--out",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=280,

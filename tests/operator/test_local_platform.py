@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import metrics_names as m
 from kvpilot.operator.api import names
-from kvpilot.operator.kube import object_path
+from kvpilot.operator.api.rest import object_path
 from tests.operator.conftest import wait_for
 from tests.operator.local_support import (
     MODEL_NAME,

@@ -1,4 +1,4 @@
-"""Table tests of the pure remediation policy: ``decide(window, spec, effective, history, now)``."""
+"""Table tests of the pure remediation policy: ``decide(window, settings, history, now)``."""
 
 from __future__ import annotations
 
@@ -8,18 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator.remediation import policy
-from kvpilot.operator.api.effective import resolve_effective
-from kvpilot.operator.remediation.policy import Change, decide
-from kvpilot.operator.remediation.window import (
-    Capacity,
-    Half,
-    MetricWindow,
-    ModelShape,
-    PodSeries,
-    parse_scrape,
-    summarize,
-)
+from kvpilot.operator.api.settings import resolve
+from kvpilot.operator.remediation.decision import Change, Decision
+from kvpilot.operator.remediation.metrics import Capacity, ModelShape, parse_scrape
+from kvpilot.operator.remediation.policy import decide
+from kvpilot.operator.remediation.series import PodSeries
+from kvpilot.operator.remediation.window import Half, MetricWindow, summarize
 from tests.operator.engine_metrics import EngineMetrics
 
 NOW = 1_750_000_000.0
@@ -28,6 +22,7 @@ SHAPE = ModelShape(
     num_attention_heads=32,
     num_key_value_heads=8,
     num_hidden_layers=32,
+    intermediate_size=14336,
     max_num_seqs=256,
     max_num_batched_tokens=8192,
     max_model_len=4096,
@@ -161,9 +156,26 @@ CASES = [
          isvc(AT_TOKENS_FLOOR), action="apply", lever="raiseTensorParallelSize",
          field="tensorParallelSize", from_=1, to=2),
     Case("tensor parallelism skips sizes that do not divide the heads",
-         window(rate=0.5, shape=dataclasses.replace(SHAPE, num_attention_heads=24, num_key_value_heads=6)),
+         window(rate=0.5, shape=dataclasses.replace(SHAPE, num_attention_heads=24, num_key_value_heads=6,
+                                                    intermediate_size=12288)),
          isvc({**AT_TOKENS_FLOOR, "tensorParallelSize": 3}),
          action="apply", field="tensorParallelSize", from_=3, to=6),
+    Case("a size that replicates the KV heads is allowed (the engine's rule)",
+         window(rate=0.5, shape=dataclasses.replace(SHAPE, num_key_value_heads=2)),
+         isvc({**AT_TOKENS_FLOOR, "tensorParallelSize": 2}), action="apply", field="tensorParallelSize",
+         from_=2, to=4, reason="2 KV heads are replicated over them"),
+    Case("a size that does not divide the intermediate size is not: raise pipeline parallelism",
+         window(rate=0.5, shape=dataclasses.replace(SHAPE, intermediate_size=11004)),
+         isvc({**AT_TOKENS_FLOOR, "tensorParallelSize": 4}), action="apply",
+         lever="raisePipelineParallelSize", field="pipelineParallelSize", from_=1, to=2),
+    Case("the tensor-parallel reason names the engine's rule",
+         window(rate=0.5, shape=dataclasses.replace(SHAPE, intermediate_size=11004)),
+         isvc({**AT_TOKENS_FLOOR, "tensorParallelSize": 4, "pipelineParallelSize": 2}, replicas=4),
+         reason="no larger size up to 8 splits 32 attention heads, 8 KV heads and intermediate size 11004",
+         exhausted=True),
+    Case("intermediate size unknown: tensor parallelism is skipped, not guessed",
+         window(rate=0.5, shape=dataclasses.replace(SHAPE, intermediate_size=None)),
+         isvc(AT_TOKENS_FLOOR), action="apply", field="pipelineParallelSize", from_=1, to=2),
     Case("no larger divisor within the limit: raise pipeline parallelism", STORM,
          isvc({**AT_TOKENS_FLOOR, "tensorParallelSize": 8}), action="apply",
          lever="raisePipelineParallelSize", field="pipelineParallelSize", from_=1, to=2),
@@ -250,7 +262,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_decide(case: Case):
     obj = case.isvc
-    decision = decide(case.window, obj["spec"], resolve_effective(obj), case.history, NOW)
+    decision = decide(case.window, resolve(obj), case.history, NOW)
     assert decision.action == case.action, decision.reason
     for name in ("lever", "field", "from_", "to"):
         expected = getattr(case, name)
@@ -270,8 +282,8 @@ def test_there_are_enough_cases():
 def test_decisions_are_pure_and_deterministic():
     obj = isvc()
     before = copy.deepcopy(obj)
-    first = decide(STORM, obj["spec"], resolve_effective(obj), [], NOW)
-    assert decide(STORM, obj["spec"], resolve_effective(obj), [], NOW) == first
+    first = decide(STORM, resolve(obj), [], NOW)
+    assert decide(STORM, resolve(obj), [], NOW) == first
     assert obj == before
 
 
@@ -294,22 +306,22 @@ def test_counter_reset_mid_window_neither_hides_nor_fakes_a_storm():
     increases = [0] + [10] * 6 + ["restart:10"] + [10] * 5
     storm = summarize({"a": _series("a", increases)}, now=NOW, window_s=120, stale_after_s=45)
     assert storm.preemption_rate == pytest.approx(1.0)
-    assert decide(storm, obj["spec"], resolve_effective(obj), [], NOW).action == "apply"
+    assert decide(storm, resolve(obj), [], NOW).action == "apply"
     # A restart of a calm engine (its counter drops from 500 to 0) is not a negative rate, nor a storm.
     increases = [500] + [0] * 6 + ["restart:0"] + [0] * 5
     calm = summarize({"a": _series("a", increases)}, now=NOW, window_s=120, stale_after_s=45)
     assert calm.preemption_rate == 0 and calm.counter_resets == 1
-    assert decide(calm, obj["spec"], resolve_effective(obj), [], NOW).action == "none"
+    assert decide(calm, resolve(obj), [], NOW).action == "none"
 
 
-def simulate(windows: list[MetricWindow], obj: dict[str, Any], step_s: float = 60.0) -> list[policy.Decision]:
+def simulate(windows: list[MetricWindow], obj: dict[str, Any], step_s: float = 60.0) -> list[Decision]:
     """Run decide every ``step_s`` over ``windows``, feeding applied changes back like the operator."""
     history: list[Change] = []
     decisions = []
     for index, base in enumerate(windows):
         now = NOW + index * step_s
         current = dataclasses.replace(base, end=now, start=now - WINDOW_S)
-        decision = decide(current, obj["spec"], resolve_effective(obj), history, now)
+        decision = decide(current, resolve(obj), history, now)
         if decision.action == "apply":
             history.insert(0, decision.change(now, obj["metadata"]["generation"]))
             overrides = obj.setdefault("status", {}).setdefault("effective", {}).setdefault("overrides", {})
@@ -337,7 +349,7 @@ def test_flapping_load_does_not_flap_the_output():
             engine.set(kv=0.97 if busy else 0.05, waiting=12 if busy else 0, running=30 if busy else 1)
             series.add(parse_scrape(engine.text(), now))
         current = summarize(pods, now=now, window_s=WINDOW_S, stale_after_s=45, expected_replicas=2)
-        decision = decide(current, obj["spec"], resolve_effective(obj), history, now)
+        decision = decide(current, resolve(obj), history, now)
         actions.append(decision.action)
     assert set(actions) == {"none"}
 

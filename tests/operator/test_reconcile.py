@@ -11,7 +11,9 @@ import kopf
 import pytest
 
 from kvpilot.operator.api import names
-from kvpilot.operator.kube import ApiError, KubeClient, object_path
+from kvpilot.operator.api.rest import ApiError, object_path
+from kvpilot.operator.api.settings import resolve
+from kvpilot.operator.kube import KubeClient
 from kvpilot.operator.reconcile.reconciler import reconcile
 from tests.operator.conftest import BASE_ISVC
 
@@ -48,7 +50,7 @@ def reconcile_once(api, name: str, **kwargs):
     events: list[tuple[str, str, str]] = []
 
     async def go(kube):
-        return await reconcile(kube, fresh(api, name), lambda *e: events.append(e), **kwargs)
+        return await reconcile(kube, resolve(fresh(api, name)), lambda *e: events.append(e), **kwargs)
 
     return run(api, go), events
 
@@ -108,7 +110,7 @@ def test_stale_status_write_is_refused(api):
     api.merge_patch(path + "/status", {"status": {"signals": {"kvCacheUsage": 0.5}}})
 
     async def go(kube):
-        return await reconcile(kube, stale, lambda *e: None)
+        return await reconcile(kube, resolve(stale), lambda *e: None)
 
     with pytest.raises(ApiError) as raised:
         run(api, go)

@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 
 from kvpilot.operator.api import names
-from kvpilot.operator.api.effective import resolve_effective
+from kvpilot.operator.api.patch import merge_patch
+from kvpilot.operator.api.settings import resolve
+from kvpilot.operator.api.timefmt import format_time
+from kvpilot.operator.remediation.evaluate import SIGNALS_REFRESH_S, evaluate
 from kvpilot.operator.remediation.pods import UNSCHEDULABLE_GRACE_S, classify, metrics_url, pod_failure
-from kvpilot.operator.remediation.policy import format_time
-from kvpilot.operator.remediation.evaluate import SIGNALS_REFRESH_S, evaluate, merge_patch
 from kvpilot.operator.remediation.window import MetricWindow
 from tests.operator.crd_schema import schema_errors
 from tests.operator.test_policy import DEMAND, IDLE, NOW, STORM, isvc, window
@@ -23,7 +24,7 @@ def status_of(obj: dict) -> dict:
 
 def run(obj: dict, win: MetricWindow, now: float = NOW, **kwargs):
     """Evaluate and apply the patch like the API server would; returns (decision, update, new object)."""
-    decision, update = evaluate(obj, win, now, **kwargs)
+    decision, update = evaluate(resolve(obj), win, now, **kwargs)
     new = copy.deepcopy(obj)
     if update.patch is not None:
         new["status"] = merge_patch(new.get("status"), update.patch)
@@ -40,7 +41,7 @@ def test_auto_storm_writes_override_history_signals_capacity_conditions_and_even
     status = status_of(obj)
     override = status["effective"]["overrides"]["gpuMemoryUtilization"]
     assert (override["value"], override["specValue"]) == (0.95, 0.9)
-    assert resolve_effective(obj).engine["gpuMemoryUtilization"] == 0.95
+    assert resolve(obj).effective.engine["gpuMemoryUtilization"] == 0.95
     (entry,) = status["remediations"]
     assert (entry["lever"], entry["field"], entry["from"], entry["to"]) == (
         "raiseGpuMemoryUtilization",
@@ -74,13 +75,13 @@ def test_auto_storm_writes_override_history_signals_capacity_conditions_and_even
 def test_an_unchanged_evaluation_writes_nothing():
     _, _, obj = run(isvc(), STORM)
     later = dataclasses.replace(STORM, end=NOW + 10, start=NOW - 110)
-    decision, update = evaluate(obj, later, NOW + 10)
+    decision, update = evaluate(resolve(obj), later, NOW + 10)
     assert decision.action == "none" and "cooldown" in decision.reason
     assert update.patch is None and update.events == ()
     # sampledAt is refreshed once it is old, even when the numbers stay the same.
     end = NOW + SIGNALS_REFRESH_S + 1
     much_later = dataclasses.replace(STORM, end=end, start=end - 120)
-    _, update = evaluate(obj, much_later, NOW + SIGNALS_REFRESH_S + 1)
+    _, update = evaluate(resolve(obj), much_later, NOW + SIGNALS_REFRESH_S + 1)
     assert set(update.patch) == {"signals"}
 
 
@@ -92,9 +93,9 @@ def test_recommend_writes_recommendations_and_never_overrides(crd_schema):
     assert status["recommendations"][0]["to"] == 0.95
     assert [r for _, r, _ in update.events][0] == "RemediationRecommended"
     assert cond(obj, "Remediating")["reason"] == "Recommended"
-    assert resolve_effective(obj).engine["gpuMemoryUtilization"] == 0.9
+    assert resolve(obj).effective.engine["gpuMemoryUtilization"] == 0.9
     # The same recommendation is not repeated within the cooldown.
-    decision, update = evaluate(obj, STORM, NOW + 60)
+    decision, update = evaluate(resolve(obj), STORM, NOW + 60)
     assert decision.action == "none" and (update.patch is None or "recommendations" not in update.patch)
     assert schema_errors(obj, crd_schema) == []
 
@@ -121,7 +122,7 @@ def test_a_spec_edit_drops_the_stale_override_and_the_user_wins():
     _, _, obj = run(isvc(), STORM)
     obj["spec"]["engine"]["gpuMemoryUtilization"] = 0.85  # the user (GitOps) edits the field
     obj["metadata"]["generation"] = 6
-    assert resolve_effective(obj).engine["gpuMemoryUtilization"] == 0.85
+    assert resolve(obj).effective.engine["gpuMemoryUtilization"] == 0.85
     decision, update, obj = run(obj, dataclasses.replace(IDLE, end=NOW + 30), NOW + 30)
     assert update.patch["effective"]["overrides"] == {"gpuMemoryUtilization": None}
     assert "gpuMemoryUtilization" not in status_of(obj)["effective"].get("overrides", {})
@@ -133,12 +134,12 @@ def test_a_revert_to_the_spec_value_removes_the_override():
     decision, update, obj = run(obj, failing, NOW + 20)
     assert (decision.lever, decision.to) == ("revert", 0.9)
     assert update.patch["effective"]["overrides"] == {"gpuMemoryUtilization": None}
-    assert resolve_effective(obj).engine["gpuMemoryUtilization"] == 0.9
+    assert resolve(obj).effective.engine["gpuMemoryUtilization"] == 0.9
     assert ("Warning", "RemediationReverted") in [(t, r) for t, r, _ in update.events]
     assert cond(obj, "Remediating")["reason"] == "Reverted"
     assert cond(obj, "KVCachePressure")["status"] == "Unknown"
     # The reverted lever is not tried again: the next storm lowers maxNumSeqs instead.
-    decision, _ = evaluate(obj, dataclasses.replace(STORM, end=NOW + 700), NOW + 700)
+    decision, _ = evaluate(resolve(obj), dataclasses.replace(STORM, end=NOW + 700), NOW + 700)
     assert decision.field == "maxNumSeqs"
 
 
@@ -164,7 +165,7 @@ def test_pressure_condition_has_hysteresis_and_exhaustion_is_announced_once():
 def test_incomplete_data_reports_why_and_nothing_without_pods_writes_nothing():
     problem = "0 of 2 replica(s) ready on the current configuration"
     win = MetricWindow(end=NOW, window_s=120, problems=(problem,))
-    decision, update = evaluate(isvc(), win, NOW, observed_pods=False)
+    decision, update = evaluate(resolve(isvc()), win, NOW, observed_pods=False)
     assert update.patch is None  # a new service, no pod yet: nothing to report
     decision, update, obj = run(isvc(), win, observed_pods=True)
     assert decision.action == "none" and "not acting on incomplete data" in decision.reason
@@ -177,7 +178,7 @@ def test_incomplete_data_reports_why_and_nothing_without_pods_writes_nothing():
 def test_demand_and_idle_changes_touch_replicas_only():
     _, _, obj = run(isvc(), DEMAND)
     assert status_of(obj)["effective"]["overrides"]["replicas"]["value"] == 3
-    assert resolve_effective(obj).replicas == 3 and resolve_effective(obj).engine == isvc()["spec"]["engine"]
+    assert resolve(obj).effective.replicas == 3 and resolve(obj).effective.engine == isvc()["spec"]["engine"]
 
 
 # --- pod triage ------------------------------------------------------------------------------------

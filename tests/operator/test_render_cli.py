@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kvpilot.cli import main
+from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.render.builders import build_children
-from kvpilot.operator.api.effective import resolve_effective
 from tests.operator.conftest import EXAMPLE, K8S_VERSION, REPO
 
 KVPILOT = Path(sys.executable).parent / "kvpilot"
@@ -26,7 +26,7 @@ def test_render_example_in_process(capsys):
     assert err == ""
     # The same builders the operator uses: identical output for the same object.
     isvc = yaml.safe_load(EXAMPLE.read_text())
-    assert documents == build_children(isvc, resolve_effective(isvc))
+    assert documents == build_children(resolve(isvc))
     for document in documents:
         assert kubernetes_validate.validate(document, K8S_VERSION, strict=True)
         assert "ownerReferences" not in document["metadata"]  # a file has no uid to point at

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from kvpilot.cli import main
+from kvpilot.operator.api.timefmt import parse_time
 from kvpilot.operator.remediation.pods import Target
-from kvpilot.operator.remediation.policy import parse_time
 from kvpilot.operator.remediation.replay import read_records, replay
 from kvpilot.operator.remediation.scrape import Recorder, Result
 from tests.operator.engine_metrics import EngineMetrics

@@ -10,8 +10,9 @@ import time
 import httpx
 import pytest
 
-from kvpilot.engine.async_engine import AsyncEngine, EngineDeadError, PromptInput, QueueFullError
+from kvpilot.engine.async_engine import AsyncEngine, PromptInput
 from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.metrics import PrometheusStatLogger
 from kvpilot.engine.sampling_params import SamplingParams
@@ -68,7 +69,7 @@ def test_refused_requests_leave_no_trace(engine):
         ae = AsyncEngine(engine)
         ae.start()
         try:
-            with pytest.raises(ValueError, match="prompt token ids"):
+            with pytest.raises(InvalidRequestError, match="prompt token ids"):
                 await ae.add([good, bad], stream=False)  # all or none: "good" is withdrawn too
             assert not engine.has_unfinished_requests()
             assert engine.block_manager.num_free_blocks == NUM_BLOCKS
@@ -114,29 +115,35 @@ def test_slow_consumer_gets_merged_deltas(engine):
     asyncio.run(main())
 
 
-def test_dead_engine_loop_fails_waiters_and_health(engine, monkeypatch):
+def failing_server(engine: LLMEngine, monkeypatch, num_good_steps: int, message: str):
+    """(ServerState, app) over ``engine``, whose step raises ``RuntimeError(message)`` after
+    ``num_good_steps`` steps."""
     real_step = engine.step
     calls = []
 
     def failing_step():
         calls.append(1)
-        if len(calls) > 3:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if len(calls) > num_good_steps:
+            raise RuntimeError(message)
         return real_step()
 
     monkeypatch.setattr(engine, "step", failing_step)
-    tokenizer = engine.tokenizer
-    metrics = PrometheusStatLogger.from_engine(engine, "tiny")
     state = ServerState(
         engine=AsyncEngine(engine),
-        tokenizer=tokenizer,
+        tokenizer=engine.tokenizer,
         served_model_names=["tiny"],
         model_dir=engine.model_dir,
         max_model_len=engine.max_model_len,
         vocab_size=engine.model_config.vocab_size,
-        metrics=metrics,
+        metrics=PrometheusStatLogger.from_engine(engine, "tiny"),
     )
-    app = build_app(state)
+    return state, build_app(state)
+
+
+def test_dead_engine_loop_fails_waiters_and_health(engine, monkeypatch):
+    state, app = failing_server(
+        engine, monkeypatch, 3, "CUDA error: an illegal memory access was encountered"
+    )
 
     async def main():
         state.engine.start()  # ASGITransport runs no lifespan
@@ -168,26 +175,7 @@ def test_dead_engine_loop_fails_waiters_and_health(engine, monkeypatch):
 
 
 def test_dead_engine_ends_open_streams_with_an_error_event(engine, monkeypatch):
-    real_step = engine.step
-    calls = []
-
-    def failing_step():
-        calls.append(1)
-        if len(calls) > 5:
-            raise RuntimeError("boom")
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", failing_step)
-    state = ServerState(
-        engine=AsyncEngine(engine),
-        tokenizer=engine.tokenizer,
-        served_model_names=["tiny"],
-        model_dir=engine.model_dir,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.model_config.vocab_size,
-        metrics=PrometheusStatLogger.from_engine(engine, "tiny"),
-    )
-    app = build_app(state)
+    state, app = failing_server(engine, monkeypatch, 5, "boom")
 
     async def main():
         state.engine.start()

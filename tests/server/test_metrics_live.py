@@ -4,6 +4,7 @@ blocks within a second; a full waiting queue answers 503 with Retry-After."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -23,7 +24,7 @@ def delta(before, after, name: str, **labels) -> float:
     return after.value(name, **labels) - before.value(name, **labels)
 
 
-def test_every_metric_name_is_exported_with_config_labels(server):
+def test_every_metric_name_is_exported_with_config_labels(server, server_model):
     metrics = server.metrics()
     exported = {names.base_name(s.name) for s in metrics.samples}
     assert set(names.ALL_METRICS) <= exported
@@ -42,6 +43,10 @@ def test_every_metric_name_is_exported_with_config_labels(server):
     assert (model["num_attention_heads"], model["num_key_value_heads"]) == ("4", "2")
     assert (model["tensor_parallel_size"], model["pipeline_parallel_size"]) == ("1", "1")
     assert model["max_model_len"] == "2048"
+    # The shape the operator's parallel-size rule reads, as the checkpoint states it.
+    checkpoint = json.loads((server_model / "config.json").read_text())
+    assert model["intermediate_size"] == str(checkpoint["intermediate_size"]) != "None"
+    assert model["num_hidden_layers"] == str(checkpoint["num_hidden_layers"])
     for reason in names.FINISHED_REASONS:
         metrics.value(names.REQUEST_SUCCESS_TOTAL, finished_reason=reason)  # present from start-up
 

@@ -10,8 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import metrics_names as names
 from kvpilot.engine.metrics import PrometheusStatLogger, one_two_five_buckets
-from kvpilot.engine.scheduler import SchedulerStats
-from kvpilot.engine.stats import FinishedRequestStats, IterationStats
+from kvpilot.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 
 def make_logger() -> PrometheusStatLogger:
@@ -25,7 +24,12 @@ def make_logger() -> PrometheusStatLogger:
             "enable_prefix_caching": True,
             "preemption_mode": "recompute",
         },
-        model_config={"num_attention_heads": 32, "num_key_value_heads": 8, "tensor_parallel_size": 1},
+        model_config={
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 14336,
+            "tensor_parallel_size": 1,
+        },
         max_model_len=4096,
         max_num_batched_tokens=8192,
     )
@@ -196,6 +200,9 @@ def test_info_metrics_carry_the_configuration():
         "8",
         "1",
     )
+    assert model["intermediate_size"] == "14336"
+    assert model["architecture"] == "None"  # a key the engine did not give still labels every series
+    assert set(model) == set(names.MODEL_CONFIG_LABELS)
     assert value(logger, names.CACHE_CONFIG_INFO, **cache) == 1
 
 

@@ -1,0 +1,196 @@
+"""Tensor-parallel layers: the identity of ``nn.Linear`` / ``nn.Embedding`` at tensor-parallel size 1.
+
+Megatron's split, within one pipeline stage::
+
+    ColumnParallelLinear   this rank's output features (weight rows); the output stays sharded
+    RowParallelLinear      this rank's input features (weight columns); partial products all-reduced
+    VocabParallelEmbedding this rank's vocabulary rows; lookups outside them are zero, then all-reduced
+    ParallelLMHead         this rank's vocabulary rows as an output projection; logits gathered on tp rank 0
+
+Each layer's ``weight_loader(param, loaded, shard_id=None)`` copies only this rank's part of a
+checkpoint tensor into ``param``. ``loaded`` is anything indexable like a tensor (a safetensors
+``get_slice`` object reads only the indexed rows or columns, so no rank materialises the full tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Names the parts of a fused parameter: "q", "k", "v" of qkv_proj, 0 and 1 of gate_up_proj.
+ShardId = str | int | None
+
+
+class Comm(Protocol):
+    """The collectives the layers and the model need (``kvpilot.engine.parallel.comm.ParallelComm``)."""
+
+    tp_size: int
+    tp_rank: int
+
+    def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def tp_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None: ...
+
+    def send_to_next_stage(self, x: torch.Tensor) -> None: ...
+
+    def recv_from_prev_stage(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class SingleRankComm:
+    """The comm of a one-rank engine: every tensor-parallel collective is the identity, and there is no
+    other pipeline stage to talk to."""
+
+    tp_size = 1
+    tp_rank = 0
+
+    def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def tp_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def send_to_next_stage(self, x: torch.Tensor) -> None:
+        raise RuntimeError("a single-rank engine has no next pipeline stage")
+
+    def recv_from_prev_stage(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        raise RuntimeError("a single-rank engine has no previous pipeline stage")
+
+
+def copy_part(dst: torch.Tensor, part: torch.Tensor) -> None:
+    """``dst.copy_(part)``; raises ``ValueError`` when the shapes differ (the loader names the tensor)."""
+    if dst.shape != part.shape:
+        raise ValueError(f"gives this rank a {tuple(part.shape)} part, expected {tuple(dst.shape)}")
+    dst.copy_(part)
+
+
+def default_weight_loader(param: torch.Tensor, loaded, shard_id: ShardId = None) -> None:
+    """A replicated parameter (norms): the whole tensor."""
+    copy_part(param.data, loaded[:])
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` over this rank's output features; ``y`` stays sharded over the ranks.
+
+    ``partitions`` maps each shard id to ``(rows held, first row held in the checkpoint tensor)``, in the
+    order the outputs are laid out: a plain layer has the one shard id None, a fused one (``qkv_proj``,
+    ``gate_up_proj``) one per checkpoint tensor it fuses.
+    """
+
+    def __init__(self, in_features: int, partitions: Mapping[ShardId, tuple[int, int]], bias: bool) -> None:
+        super().__init__()
+        self._parts: dict[ShardId, tuple[int, int, int]] = {}  # shard id -> (dst row, rows, src row)
+        row = 0
+        for shard_id, (num_rows, src_start) in partitions.items():
+            self._parts[shard_id] = (row, num_rows, src_start)
+            row += num_rows
+        self.shard_ids = tuple(self._parts)
+        self.weight = nn.Parameter(torch.empty(row, in_features))
+        self.bias = nn.Parameter(torch.empty(row)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: ShardId = None) -> None:
+        """Rows of checkpoint tensor ``shard_id`` (weight or bias) into their place in ``param``."""
+        dst, num_rows, src = self._parts[shard_id]
+        copy_part(param.data[dst : dst + num_rows], loaded[src : src + num_rows])
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """``num_outputs`` projections of the same input fused into one matmul (gate and up): rank ``t`` holds
+    rows ``[start, start + rows)`` of each; shard ids ``0 .. num_outputs - 1``."""
+
+    def __init__(self, in_features: int, num_outputs: int, rows: int, start: int, bias: bool) -> None:
+        super().__init__(in_features, {i: (rows, start) for i in range(num_outputs)}, bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections fused (shard ids ``"q"``, ``"k"``, ``"v"``) over this rank's heads."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        q_head_start: int,
+        num_heads: int,
+        kv_head_start: int,
+        num_kv_heads: int,
+        bias: bool,
+    ) -> None:
+        kv = (num_kv_heads * head_dim, kv_head_start * head_dim)
+        parts = {"q": (num_heads * head_dim, q_head_start * head_dim), "k": kv, "v": kv}
+        super().__init__(hidden_size, parts, bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum over ranks (x_t W_t^T) + b``: this rank holds input features
+    ``[input_start, input_start + in_features)``; the bias is loaded on tensor-parallel rank 0 and zero
+    elsewhere, so that the all-reduce adds it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, input_start: int, comm: Comm) -> None:
+        super().__init__()
+        self.input_start = input_start
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.tp_all_reduce(F.linear(x, self.weight, self.bias))
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: ShardId = None) -> None:
+        if param is self.bias:
+            if self.comm.tp_rank == 0:
+                copy_part(param.data, loaded[:])
+            else:
+                param.data.zero_()
+            return
+        start, num = self.input_start, param.shape[1]
+        copy_part(param.data, loaded[:, start : start + num])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[vocab_start, vocab_start + num_rows)`` of a ``vocab_size``-row table; ``weight``:
+    ``[num_rows, hidden]``, rows past the vocabulary (padding of the last shard) zero."""
+
+    def __init__(
+        self, num_rows: int, hidden_size: int, vocab_start: int, vocab_size: int, comm: Comm
+    ) -> None:
+        super().__init__()
+        self.vocab_start = vocab_start
+        self.vocab_size = vocab_size
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.comm.tp_all_reduce(x.masked_fill(outside[:, None], 0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``hidden`` [n, hidden_size] projected on the table: float32 logits [n, vocab_size] on
+        tensor-parallel rank 0 (gathered from every rank's rows), None on the others."""
+        logits = self.comm.tp_gather_last_dim(F.linear(hidden, self.weight))
+        if logits is None:
+            return None
+        if logits.shape[-1] != self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return logits.float()
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: ShardId = None) -> None:
+        real = max(0, min(param.shape[0], self.vocab_size - self.vocab_start))
+        copy_part(param.data[:real], loaded[self.vocab_start : self.vocab_start + real])
+        param.data[real:].zero_()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection over this rank's vocabulary rows: ``forward`` is ``logits``."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.logits(hidden)

@@ -1,0 +1,191 @@
+"""One ``/metrics`` answer read: the engine's Prometheus text (or samples a replay file holds) -> a
+:class:`Scrape`, and the engine's KV capacity and model shape from its info metrics.
+
+Pure: no I/O and no clock. Deprecated metric names (``vllm:gpu_cache_usage_perc``) count as their
+current ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.engine import metrics_names as m
+
+# The counter's creation time, exported next to it by prometheus-client (``<name>_created``).
+PREEMPTIONS_CREATED = m.NUM_PREEMPTIONS_TOTAL.removesuffix("_total") + "_created"
+# What one scrape must carry to count; the names as the engine exports them (aliases accepted).
+REQUIRED = (m.NUM_PREEMPTIONS_TOTAL, m.KV_CACHE_USAGE_PERC, m.NUM_REQUESTS_WAITING, m.NUM_REQUESTS_RUNNING)
+
+
+class MetricsParseError(ValueError):
+    """A ``/metrics`` body is not Prometheus text exposition."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scrape:
+    """One pod's ``/metrics`` at ``time`` (unix seconds).
+
+    ``preemptions``: ``vllm:num_preemptions_total`` summed over its series; ``preemptions_created``:
+    its ``_created`` timestamp when exported. ``kv_usage`` (0..1), ``waiting``, ``running``: the
+    gauges. ``cache_info`` / ``model_info``: the labels of ``vllm:cache_config_info`` and
+    ``kvpilot:model_config_info``. ``missing``: required metrics the response lacked.
+    """
+
+    time: float
+    preemptions: float | None = None
+    preemptions_created: float | None = None
+    kv_usage: float | None = None
+    waiting: float | None = None
+    running: float | None = None
+    cache_info: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    model_info: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+
+
+def _samples_from_text(text: str) -> list[tuple[str, dict[str, str], float]]:
+    try:
+        return [
+            (s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        ]
+    except Exception as exc:  # the parser raises ValueError, IndexError, ... on garbage
+        raise MetricsParseError(f"not Prometheus text exposition: {exc}") from exc
+
+
+def _samples_from_json(value: Any) -> list[tuple[str, dict[str, str], float]]:
+    """Parsed samples as a replay file may hold them: ``{"name": value}`` or a list of
+    ``{"name", "labels", "value"}`` objects / ``[name, labels, value]`` triples."""
+    out = []
+    try:
+        if isinstance(value, dict):
+            return [(str(k), {}, float(v)) for k, v in value.items()]
+        for item in value:
+            if isinstance(item, dict):
+                out.append((str(item["name"]), dict(item.get("labels") or {}), float(item["value"])))
+            else:
+                name, labels, number = item
+                out.append((str(name), dict(labels or {}), float(number)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MetricsParseError(f"not a list of samples: {exc}") from exc
+    return out
+
+
+def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
+    """A :class:`Scrape` from Prometheus text (or already parsed samples, see ``_samples_from_json``).
+
+    Deprecated names (``vllm:gpu_cache_usage_perc``) count as their current ones; where an engine
+    exports both, the current name wins. Raises MetricsParseError for an unparsable body.
+    """
+    samples = _samples_from_text(metrics) if isinstance(metrics, str) else _samples_from_json(metrics)
+    sums: dict[str, float] = {}
+    via_alias: dict[str, float] = {}
+    cache_info: dict[str, str] = {}
+    model_info: dict[str, str] = {}
+    created: float | None = None
+    for name, labels, value in samples:
+        if math.isnan(value):
+            continue
+        if name == m.CACHE_CONFIG_INFO:
+            cache_info = labels
+            continue
+        if name == m.MODEL_CONFIG_INFO:
+            model_info = labels
+            continue
+        if name == PREEMPTIONS_CREATED:
+            created = value if created is None else min(created, value)
+            continue
+        canonical = m.canonical_name(name)
+        if canonical not in REQUIRED:
+            continue
+        target = sums if canonical == name else via_alias
+        if canonical == m.KV_CACHE_USAGE_PERC:  # one pool per engine: several series -> the fullest
+            target[canonical] = max(target.get(canonical, 0.0), value)
+        else:
+            target[canonical] = target.get(canonical, 0.0) + value
+    values = {**via_alias, **sums}
+    return Scrape(
+        time=float(time),
+        preemptions=values.get(m.NUM_PREEMPTIONS_TOTAL),
+        preemptions_created=created,
+        kv_usage=values.get(m.KV_CACHE_USAGE_PERC),
+        waiting=values.get(m.NUM_REQUESTS_WAITING),
+        running=values.get(m.NUM_REQUESTS_RUNNING),
+        cache_info=cache_info,
+        model_info=model_info,
+        missing=tuple(name for name in REQUIRED if name not in values),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """KV capacity of one engine (``vllm:cache_config_info`` and the model's ``max_model_len``)."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int | None = None
+    explicit_size: bool = False  # num_gpu_blocks_override set: the memory fraction does not size the pool
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float | None:
+        """How many ``max_model_len``-long requests fit at once."""
+        return self.kv_cache_tokens / self.max_model_len if self.max_model_len else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What ``kvpilot:model_config_info`` says about the model and the engine's running limits."""
+
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    num_hidden_layers: int | None = None
+    intermediate_size: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+
+
+def _int(labels: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(labels[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def capacity_of(scrape: Scrape) -> Capacity | None:
+    """The engine's KV capacity from its info metrics, or None when they are absent."""
+    blocks, block_size = _int(scrape.cache_info, "num_gpu_blocks"), _int(scrape.cache_info, "block_size")
+    if blocks is None or block_size is None:
+        return None
+    override = scrape.cache_info.get("num_gpu_blocks_override")
+    return Capacity(
+        num_gpu_blocks=blocks,
+        block_size=block_size,
+        max_model_len=_int(scrape.model_info, "max_model_len"),
+        explicit_size=override not in (None, "", "None"),
+    )
+
+
+def shape_of(scrape: Scrape) -> ModelShape | None:
+    """The model shape from ``kvpilot:model_config_info``, or None when absent."""
+    if not scrape.model_info:
+        return None
+    info = scrape.model_info
+    return ModelShape(
+        num_attention_heads=_int(info, "num_attention_heads"),
+        num_key_value_heads=_int(info, "num_key_value_heads"),
+        num_hidden_layers=_int(info, "num_hidden_layers"),
+        intermediate_size=_int(info, "intermediate_size"),
+        max_num_seqs=_int(info, "max_num_seqs"),
+        max_num_batched_tokens=_int(info, "max_num_batched_tokens"),
+        max_model_len=_int(info, "max_model_len"),
+    )
