@@ -1,4 +1,5 @@
-"""CPU attention on the torch path: the original implementation vs the current one.
+"""CPU attention: the torch path's original implementation, its current one, and the ``cpu`` backend's
+C++ kernel (reads K/V in place; ``kvpilot.kernels.cpu_ops``).
 
 Decode step of ``--num-seqs`` sequences of ~``--seq-len`` tokens (bf16, 12 query / 4 KV heads, head
 size 64, block size 16, blocks scattered over the pool), timed per layer over a few layers with their
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import torch_ops
+from kvpilot.kernels import cpu_ops, torch_ops
 from kvpilot.kernels.metadata import AttentionMetadata
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -172,13 +173,17 @@ def run_case(name, spans, args, threads) -> dict:
     ref = naive_attention(query, k0, v0, spans, tables, scale)
     new_out = torch_ops.paged_attention(query, k0, v0, make_metadata(spans, tables), scale)
     base_out = baseline_paged_attention(query, k0, v0, make_metadata(spans, tables), scale)
-    # Interleave the two implementations so that drift in the machine's load hits both alike.
-    base_ms, new_ms, base_cpu, new_cpu = [], [], [], []
+    impls = [
+        (baseline_paged_attention, base_ms := [], base_cpu := []),
+        (torch_ops.paged_attention, new_ms := [], new_cpu := []),
+    ]
+    kernel_ms, kernel_cpu, kernel_out = [], [], None
+    if cpu_ops.is_available():
+        kernel_out = cpu_ops.paged_attention(query, k0, v0, make_metadata(spans, tables), scale)
+        impls.append((cpu_ops.paged_attention, kernel_ms, kernel_cpu))
+    # Interleave the implementations so that drift in the machine's load hits all alike.
     for _ in range(args.rounds):
-        for fn, wall, cpu in (
-            (baseline_paged_attention, base_ms, base_cpu),
-            (torch_ops.paged_attention, new_ms, new_cpu),
-        ):
+        for fn, wall, cpu in impls:
             wall.append(time_step(fn, query, caches, spans, tables, scale, args.repeats))
             if threads == 1:
                 cpu.append(
@@ -202,6 +207,19 @@ def run_case(name, spans, args, threads) -> dict:
         "after_kv_gb_per_s": round(kv_bytes / (after / 1e3) / 1e9, 2),
         "max_abs_err_before": float((base_out.double() - ref).abs().max()),
         "max_abs_err_after": float((new_out.double() - ref).abs().max()),
+        "kernel_ms": round(statistics.median(kernel_ms), 3) if kernel_ms else None,
+        "kernel_ms_all_rounds": [round(t, 3) for t in kernel_ms],
+        "kernel_cpu_ms": round(statistics.median(kernel_cpu), 3) if kernel_cpu else None,
+        "kernel_speedup_vs_after": round(after / statistics.median(kernel_ms), 2) if kernel_ms else None,
+        "kernel_cpu_speedup_vs_after": (
+            round(statistics.median(new_cpu) / statistics.median(kernel_cpu), 2) if kernel_cpu else None
+        ),
+        "kernel_kv_gb_per_s": round(kv_bytes / (statistics.median(kernel_ms) / 1e3) / 1e9, 2)
+        if kernel_ms
+        else None,
+        "max_abs_err_kernel": (
+            float((kernel_out.double() - ref).abs().max()) if kernel_out is not None else None
+        ),
     }
 
 
@@ -268,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(run_case(name, spans, args, threads))
     header = (
         f"{'case':<28}{'threads':>8}{'before ms':>11}{'after ms':>10}{'speedup':>9}{'GB/s':>7}"
-        f"{'err after':>11}{'CPU-time before/after ms':>26}"
+        f"{'err after':>11}{'CPU-time before/after ms':>26}{'kernel ms':>11}{'kernel CPU ms':>15}"
+        f"{'kernel/after':>14}{'err kernel':>12}"
     )
     print(
         "CPU attention per layer, torch path (bf16, "
@@ -280,6 +299,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"{r['case']:<28}{r['threads']:>8}{r['before_ms']:>11.2f}{r['after_ms']:>10.2f}"
             f"{r['speedup']:>8.2f}x{r['after_kv_gb_per_s']:>7.1f}{r['max_abs_err_after']:>11.2e}{cpu:>26}"
+            + (
+                f"{r['kernel_ms']:>11.2f}{r['kernel_cpu_ms'] or float('nan'):>15.2f}"
+                f"{r['kernel_speedup_vs_after']:>13.2f}x{r['max_abs_err_kernel']:>12.2e}"
+                if r["kernel_ms"]
+                else f"{'(kernel unavailable)':>40}"
+            )
         )
     result = {
         "benchmark": "attention_cpu",

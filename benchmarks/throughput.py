@@ -71,6 +71,7 @@ def engine_kwargs(args) -> dict:
         kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
         max_model_len=1024,
         seed=0,
+        attention_backend=args.attention_backend,
     )
 
 
@@ -128,7 +129,7 @@ def run_kvpilot(model: str, work: list[WorkItem], args, static: bool) -> dict:
     recorder = StepRecorder()
     llm.llm_engine.stat_loggers.append(recorder)
     outs = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     batches = (
         [work[i : i + args.batch_size] for i in range(0, len(work), args.batch_size)] if static else [work]
     )
@@ -138,12 +139,14 @@ def run_kvpilot(model: str, work: list[WorkItem], args, static: bool) -> dict:
             [params(w) for w in batch],
             use_tqdm=False,
         )
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     got = [len(o.outputs[0].token_ids) for o in outs]
     assert got == [w.output_len for w in work], "output lengths differ from the workload"
     return {
         "init_s": init_s,
         "elapsed_s": elapsed,
+        # Process CPU time (all threads): with --threads 1 it is the work's own time on a busy machine.
+        "cpu_s": cpu_s,
         "steps": llm.llm_engine.num_steps,
         "overhead": recorder.summary(),
         "overhead_at_64_running": recorder.summary(min_running=64),
@@ -190,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="continuous,static,hf")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument(
+        "--attention-backend", default="auto", help="auto | torch | triton | cpu (the C++ CPU kernel)"
+    )
     ap.add_argument("--kv-cache-gib", type=float, default=4.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
@@ -216,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             r = run_kvpilot(model, work, args, static=(mode == "static"))
         r["output_tok_per_s"] = output_tokens / r["elapsed_s"]
         r["total_tok_per_s"] = (prompt_tokens + output_tokens) / r["elapsed_s"]
+        if "cpu_s" in r:
+            r["output_tok_per_cpu_s"] = output_tokens / r["cpu_s"]
         results[mode] = r
 
     print(
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'mode':12s} {'elapsed s':>10s} {'out tok/s':>10s} {'total tok/s':>12s} "
-        f"{'overhead':>9s} {'@>=64 seqs':>11s}"
+        f"{'overhead':>9s} {'@>=64 seqs':>11s} {'out tok/CPU-s':>14s}"
     )
     for mode, r in results.items():
         ov = r.get("overhead", {}).get("overhead_share")
@@ -232,18 +240,20 @@ def main(argv: list[str] | None = None) -> int:
         fmt = lambda x: f"{100 * x:8.1f}%" if x is not None else f"{'-':>9s}"
         print(
             f"{mode:12s} {r['elapsed_s']:10.2f} {r['output_tok_per_s']:10.1f} {r['total_tok_per_s']:12.1f} "
-            f"{fmt(ov)} {fmt(ov64):>11s}"
+            f"{fmt(ov)} {fmt(ov64):>11s} {r.get('output_tok_per_cpu_s', float('nan')):14.1f}"
         )
     if "continuous" in results:
         for other in ("static", "hf"):
             if other in results:
                 ratio = results["continuous"]["output_tok_per_s"] / results[other]["output_tok_per_s"]
                 print(f"continuous / {other}: {ratio:.2f}x")
-    out = args.out or RESULTS / f"throughput-{Path(model).name}.json"
+    suffix = "" if args.attention_backend == "auto" else f"-{args.attention_backend}"
+    out = args.out or RESULTS / f"throughput-{Path(model).name}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
         "model": model,
         "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
         "threads": torch.get_num_threads(),
         "num_requests": len(work),
         "prompt_tokens": prompt_tokens,

@@ -13,6 +13,7 @@ into ``RequestOutput`` objects.
 * ``block_manager``: the paged KV cache's bookkeeping: block tables, prefix cache, copy-on-write, swap.
 * ``scheduler``: continuous batching with chunked prefill and preemption; ``update_from_output``.
 * ``scheduler_output``: the scheduler's contracts: its config, one step's batch, one request's update.
+* ``request_queue``: the scheduler's FCFS queues, with O(1) removal (aborts) and safe iteration.
 * ``model_runner``: one rank's step on the model: flatten the batch, forward, sample; KV-pool sizing.
 * ``memory``: how many KV blocks fit in the memory budget; the CPU swap pool.
 * ``sampler``: logits -> next tokens (greedy, temperature, top-k/p, min-p, penalties, seeds).
@@ -24,6 +25,7 @@ into ``RequestOutput`` objects.
 * ``llm_engine``: ``LLMEngine``, the three calls wired together.
 * ``llm``: ``LLM``, the offline API.
 * ``async_engine``: the engine on a background thread with per-request asyncio streams.
+* ``request_stream``: one call's output stream; a lagging consumer gets the deltas merged.
 * ``metrics`` / ``metrics_names``: the vLLM-named Prometheus metrics, and their names (dependency-free).
 * ``models/``, ``parallel/``, ``server/``: the model path, tensor/pipeline parallelism, the OpenAI server.
 

@@ -13,9 +13,10 @@ loop talks to it through a command queue (add, abort) and gets outputs back thro
 
 Commands are applied between steps, so an abort frees its blocks within one step time. A request that
 can never run (``InvalidRequestError`` from the engine) or that finds the waiting queue full
-(``QueueFullError``) fails its ``add`` without touching the engine's state. If ``step()`` raises, the
-loop is dead: every open stream and every later ``add`` fails with ``EngineDeadError`` and
-``is_healthy`` turns False.
+(``QueueFullError``: admission counts sequences, prompts x ``n``) fails its ``add`` without touching
+the engine's state. If ``step()`` or applying a command raises, the loop is dead: every open stream,
+every ``add`` still pending (queued or half applied) and every later one fails with ``EngineDeadError``
+and ``is_healthy`` turns False.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from dataclasses import dataclass
 
 from kvpilot.engine.errors import ConfigError, EngineDeadError, QueueFullError
 from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.request_stream import RequestStream
 from kvpilot.engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "PromptInput", "RequestStream"]
 
 logger = logging.getLogger("kvpilot.engine.async")
 
@@ -48,82 +52,12 @@ class PromptInput:
     arrival_time: float
 
 
-class RequestStream:
-    """The outputs of the engine requests behind one API call (several prompts share one stream).
-
-    Lives on the event loop. For streaming requests, outputs that arrive faster than the consumer reads
-    them are merged (their deltas concatenated), so a slow client holds one pending output per request,
-    never a backlog.
-    """
-
-    def __init__(self, request_ids: Sequence[str]) -> None:
-        self.request_ids = list(request_ids)
-        self._unfinished = set(self.request_ids)
-        self._pending: dict[str, RequestOutput] = {}
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-
-    @property
-    def finished(self) -> bool:
-        """True once every request has delivered its final output (and it was read)."""
-        return not self._unfinished and not self._pending
-
-    @property
-    def unfinished_ids(self) -> list[str]:
-        return [rid for rid in self.request_ids if rid in self._unfinished]
-
-    def _put(self, out: RequestOutput) -> None:
-        old = self._pending.get(out.request_id)
-        if old is not None and old.delta_text and out.delta_text:
-            out.delta_text = [a + b for a, b in zip(old.delta_text, out.delta_text, strict=True)]
-            out.delta_token_ids = [
-                a + b for a, b in zip(old.delta_token_ids, out.delta_token_ids, strict=True)
-            ]
-        self._pending[out.request_id] = out
-        if out.finished:
-            self._unfinished.discard(out.request_id)
-        self._event.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        self._error = exc
-        self._event.set()
-
-    async def get(self) -> list[RequestOutput]:
-        """Wait for news; return the outputs that changed since the last call, in request order.
-
-        Raises ``EngineDeadError`` if the engine loop died, ``StopAsyncIteration`` once finished.
-        """
-        while not self._pending:
-            if self._error is not None:
-                raise self._error
-            if not self._unfinished:
-                raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
-        outs = [self._pending.pop(rid) for rid in self.request_ids if rid in self._pending]
-        return outs
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> list[RequestOutput]:
-        return await self.get()
-
-    async def collect(self) -> dict[str, RequestOutput]:
-        """Wait until every request finished; return the final outputs by request id."""
-        final: dict[str, RequestOutput] = {}
-        async for outs in self:
-            for out in outs:
-                if out.finished:
-                    final[out.request_id] = out
-        return final
-
-
 class AsyncEngine:
     """Runs an ``LLMEngine`` on its own thread and serves it to asyncio code.
 
-    ``max_waiting_requests``: when set, an ``add`` that finds at least this many sequences waiting in
-    the scheduler fails with ``QueueFullError`` (what ``vllm:num_requests_waiting`` shows).
+    ``max_waiting_requests``: when set, an ``add`` whose sequences (prompts x ``n``) would bring the
+    sequences waiting in the scheduler (what ``vllm:num_requests_waiting`` shows) above this many
+    fails whole with ``QueueFullError``.
     Call ``start()`` from the event loop that will consume the streams; ``shutdown()`` stops the thread.
     """
 
@@ -144,6 +78,8 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
         self._cv = threading.Condition()
         self._commands: list[tuple] = []
+        # The commands the engine thread took and is applying: failed too if the loop dies midway.
+        self._applying: list[tuple] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -290,7 +226,9 @@ class AsyncEngine:
                         break
                     commands, self._commands = self._commands, []
                 if commands:
+                    self._applying = commands
                     self._apply(commands)
+                    self._applying = []
                 if not engine.has_unfinished_requests():
                     continue
                 num_steps = engine.num_steps
@@ -335,9 +273,13 @@ class AsyncEngine:
         added: list[str] = []
         try:
             if self.max_waiting_requests is not None:
+                # Admission counts sequences: one call of P prompts x n queues P * n of them.
                 num_waiting = engine.stats().num_waiting
-                if num_waiting >= self.max_waiting_requests:
-                    raise QueueFullError(num_waiting, self.max_waiting_requests, self.retry_after_s)
+                num_new = sum(inp.params.n for inp in inputs)
+                if num_waiting + num_new > self.max_waiting_requests:
+                    raise QueueFullError(
+                        num_waiting, self.max_waiting_requests, self.retry_after_s, num_new=num_new
+                    )
             for inp in inputs:
                 engine.add_request(
                     inp.request_id,
@@ -370,8 +312,14 @@ class AsyncEngine:
             self.dead_error = exc if log else None
             self._stopping = True
             pending, self._commands = self._commands, []
+        pending = self._applying + pending
+        self._applying = []
         error = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}" if log else str(exc))
         for command in pending:
-            if command[0] == "add" and command[3].set_running_or_notify_cancel():
-                command[3].set_exception(error)
+            if command[0] == "add":
+                # Whether it was still queued or half applied when the loop died, its caller gets the error.
+                try:
+                    command[3].set_exception(error)
+                except concurrent.futures.InvalidStateError:
+                    pass  # resolved already, or cancelled by its caller
         self._publish(self._fail_all, error)

@@ -237,8 +237,8 @@ class BeamSearchGroup:
             client_request_id=self.request_id,
         )
         self._next_beam += 1
+        # The child shares the prompt list; only the generated tokens are its own.
         child.output_token_ids = parent.output_token_ids[:-1] + [token]
-        child.all_token_ids = parent.all_token_ids[:-1] + [token]
         return child
 
     def finish(self) -> list[BeamIntent]:

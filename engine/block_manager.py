@@ -141,14 +141,13 @@ class BlockManager:
         self._key_chain[req.req_id] = []
         if not self.enable_prefix_caching:
             return 0
-        tokens = req.all_token_ids
         bs = self.block_size
-        max_blocks = (len(tokens) - 1) // bs
+        max_blocks = (req.num_tokens - 1) // bs
         table = self.block_tables[req.req_id]
         chain = self._key_chain[req.req_id]
         parent = None
         for i in range(max_blocks):
-            hit = self._cached.get((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            hit = self._cached.get((parent, tuple(req.token_slice(i * bs, (i + 1) * bs))))
             if hit is None:
                 break
             block, parent = hit
@@ -156,7 +155,7 @@ class BlockManager:
             table.append(block)
             chain.append(parent)
         num_cached = len(table) * self.block_size
-        self.prefix_queries += len(tokens)
+        self.prefix_queries += req.num_tokens
         self.prefix_hits += num_cached
         return num_cached
 
@@ -206,10 +205,9 @@ class BlockManager:
         table = self.block_tables[req.req_id]
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(table))
-        tokens = req.all_token_ids
         parent = chain[-1] if chain else None
         for i in range(len(chain), num_full):
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            key = (parent, tuple(req.token_slice(i * bs, (i + 1) * bs)))
             hit = self._cached.get(key)
             if hit is not None:
                 parent = hit[1]

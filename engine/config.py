@@ -15,7 +15,7 @@ from kvpilot.engine.errors import ConfigError  # noqa: F401 (re-exported)
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:
@@ -60,7 +60,9 @@ class EngineArgs:
     )
     dtype: str = _arg("auto", "Weight and activation dtype: auto | float32 | bfloat16 | float16.")
     device: str = _arg("auto", "cuda | cpu | auto (cuda when available).")
-    attention_backend: str = _arg("auto", "Attention kernels: auto | torch | triton.")
+    attention_backend: str = _arg(
+        "auto", "Attention kernels: auto | torch | triton | cpu (the C++ kernel for CPU devices)."
+    )
     seed: int = _arg(0, "Seed of the engine's default random generator.")
 
     def __post_init__(self) -> None:

@@ -43,13 +43,16 @@ class WorkerDiedError(EngineDeadError):
 
 
 class QueueFullError(EngineError, RuntimeError):
-    """The waiting queue holds ``max_waiting`` sequences already; retry after ``retry_after_s``."""
+    """``num_waiting`` sequences wait already and the ``num_new`` of this request would pass
+    ``max_waiting``; the request was refused whole. Retry after ``retry_after_s``."""
 
-    def __init__(self, num_waiting: int, max_waiting: int, retry_after_s: int) -> None:
+    def __init__(self, num_waiting: int, max_waiting: int, retry_after_s: int, num_new: int = 1) -> None:
+        asked = f" + {num_new} requested" if num_new > 1 else ""
         super().__init__(
-            f"the server is overloaded: the waiting queue is full ({num_waiting} waiting, "
+            f"the server is overloaded: the waiting queue is full ({num_waiting} waiting{asked}, "
             f"limit {max_waiting}); retry after {retry_after_s} s"
         )
+        self.num_new = num_new
         self.num_waiting = num_waiting
         self.max_waiting = max_waiting
         self.retry_after_s = retry_after_s

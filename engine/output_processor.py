@@ -1,6 +1,10 @@
 """Request updates in, ``RequestOutput`` objects out: detokenization, stop strings, the ``n > 1`` merge,
 streaming deltas and beam search (torch-free).
 
+A streaming request's outputs carry only what is new since its previous output (text, token ids,
+logprobs; the cumulative logprob is a running sum), so each step costs O(new tokens) whatever the
+length so far; a non-streaming request gets one output with everything.
+
 The output processor owns the per-user-request state, keyed by the user's request id: the sequences of
 an ``n``-way request with their detokenizers, or a beam search group. It never changes a sequence:
 what the scheduler must do (finish a sequence whose text hit a stop string, pause, fork or finish
@@ -16,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.engine.beam_search import BeamIntent, BeamSearchGroup, Pause
-from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.detokenizer import IncrementalDetokenizer, StopStrings
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampling_params import SamplingParams
@@ -35,6 +39,10 @@ class RequestState:
     detoks: list[IncrementalDetokenizer]
     # Streaming: token ids not yet handed out, per sequence.
     pending_ids: list[list[int]]
+    # Per sequence: the sum of its sampled tokens' logprobs so far, and how many logprob entries have
+    # been handed out (streaming).
+    cumulative_logprobs: list[float]
+    num_logprobs_sent: list[int]
     num_finished: int = 0
 
     @property
@@ -80,18 +88,20 @@ class OutputProcessor:
         stream: bool,
     ) -> None:
         """Track a request whose ``seqs`` the scheduler has queued (``params`` are the user's)."""
+        stops = StopStrings(params.stop_strings)  # one index for all n sequences
         detoks = [
             IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
                 params.skip_special_tokens,
-                params.stop_strings,
+                stops,
                 params.include_stop_str_in_output,
             )
             for _ in seqs
         ]
+        n = len(seqs)
         self._states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, stream, seqs, detoks, [[] for _ in seqs]
+            request_id, prompt, prompt_token_ids, stream, seqs, detoks, [[] for _ in seqs], [0.0] * n, [0] * n
         )
 
     def add_beam_search(self, group: BeamSearchGroup) -> None:
@@ -123,7 +133,10 @@ class OutputProcessor:
             i = state.seqs.index(req)
             detok = state.detoks[i]
             detok.add_token(upd.new_token_id)
-            state.pending_ids[i].append(upd.new_token_id)
+            if state.stream:
+                state.pending_ids[i].append(upd.new_token_id)
+            if req.logprobs:
+                state.cumulative_logprobs[i] += next(iter(req.logprobs[-1].values()))
             if detok.stop_string is not None and not upd.finished:
                 result.stop_strings[req.req_id] = detok.stop_string
             if upd.finished or req.req_id in result.stop_strings:
@@ -155,19 +168,26 @@ class OutputProcessor:
         completions = []
         deltas, delta_ids = [], []
         for i, (seq, detok) in enumerate(zip(state.seqs, state.detoks, strict=True)):
-            deltas.append(detok.pop_delta(final=seq.is_finished))
-            delta_ids.append(state.pending_ids[i])
-            state.pending_ids[i] = []
-            cumulative = None
-            if seq.logprobs is not None:
-                cumulative = sum(next(iter(entry.values())) for entry in seq.logprobs)
+            delta = detok.pop_delta(final=seq.is_finished)
+            logprobs = seq.logprobs
+            if state.stream:
+                # The delta is the unit: only what is new since this request's previous output.
+                text, token_ids = delta, state.pending_ids[i]
+                state.pending_ids[i] = []
+                if logprobs is not None:
+                    sent, state.num_logprobs_sent[i] = state.num_logprobs_sent[i], len(logprobs)
+                    logprobs = logprobs[sent:]
+            else:
+                text, token_ids = detok.text, seq.output_token_ids
+            deltas.append(delta)
+            delta_ids.append(token_ids)
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=detok.text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=cumulative,
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    text=text,
+                    token_ids=token_ids,
+                    cumulative_logprob=state.cumulative_logprobs[i] if logprobs is not None else None,
+                    logprobs=logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

@@ -37,6 +37,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One output of a request. For a streaming request each output carries only what is new since the
+    previous one: its completions' ``text``, ``token_ids`` and ``logprobs`` are the deltas (the same
+    lists as ``delta_text`` / ``delta_token_ids``), ``cumulative_logprob`` is the running total. A
+    non-streaming request gets a single, final output with everything."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -44,7 +49,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    # Streaming: the text / token ids added since the previous output for each completion.
+    # The text / token ids added since the previous output, per completion (all of them when not streaming).
     delta_text: list[str] = field(default_factory=list)
     delta_token_ids: list[list[int]] = field(default_factory=list)
 

@@ -1,7 +1,7 @@
 """Request state: written by the scheduler, read by the model runner's inputs and the output processor
 (torch-free).
 
-A request is "prefill and decode as one thing": it owns ``all_token_ids`` (prompt + generated) and
+A request is "prefill and decode as one thing": its tokens are the prompt then the generated ones, and
 ``num_computed_tokens``, how many of them already have KV in the cache. Each step the scheduler
 feeds it the next ``num_tokens - num_computed_tokens`` tokens (a prefill chunk, or 1 while decoding).
 """
@@ -54,7 +54,6 @@ class Request:
     max_output_tokens: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
-    all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # FCFS priority: lower is earlier; the scheduler preempts the highest first.
@@ -78,9 +77,23 @@ class Request:
 
     def __post_init__(self) -> None:
         self.client_request_id = self.client_request_id or self.req_id
-        self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt and generated tokens, as a new list (O(num_tokens): the engine reads ``token_slice``)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list: the prompt is shared by every
+        sequence made from it (n > 1 siblings, beams), never copied into each."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,7 +101,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -104,7 +117,6 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
 
 def check_stop(req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
@@ -115,7 +127,7 @@ def check_stop(req: Request, token: int) -> tuple[RequestStatus | None, int | No
     if req.num_output_tokens >= params.min_tokens:
         if token == req.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED, None
-        if token in params.stop_token_ids:
+        if token in params.stop_token_id_set:
             return RequestStatus.FINISHED_STOPPED, token
     if req.num_output_tokens >= req.max_output_tokens:
         return RequestStatus.FINISHED_LENGTH, None

@@ -13,8 +13,11 @@ request is preempted:
 * ``recompute``: its blocks are freed and it re-queues at the front of the waiting queue, to re-prefill
   prompt + generated tokens later;
 * ``swap``: its blocks move to the CPU pool and it waits in the swapped queue; swapped requests resume
-  (oldest first, before any waiting request is admitted) as soon as their blocks fit again. When the CPU
-  pool is full the victim is recomputed instead (counted in ``num_swap_fallbacks``).
+  (in queue order, before any waiting request is admitted) as soon as their blocks fit again, and while
+  one does not fit no waiting request is admitted, so that newer requests cannot starve it. When the
+  CPU pool is full the victim is recomputed instead (counted in ``num_swap_fallbacks``).
+
+The queues remove any request in O(1) (``RequestQueue``), so aborts never scan them.
 
 Parallel sampling (``n > 1``) shares the prompt: the first sequence prefills all but the last prompt
 token, then its siblings fork from it (sharing every block by reference) and each computes the last
@@ -24,13 +27,13 @@ prompt token itself, copying the shared partial block on write.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.request import Request, RequestStatus, check_stop
+from kvpilot.engine.request_queue import RequestQueue
 from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.stats import SchedulerStats
 
@@ -41,9 +44,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
+        # FCFS queues with O(1) removal: aborting queued requests never scans them.
+        self.waiting = RequestQueue()
         self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
+        self.swapped = RequestQueue()
+        # n > 1 siblings waiting to fork from a parent (in no queue, but waiting all the same).
+        self.num_fork_pending = 0
         # Every unfinished request by req_id: the one place a request's identity lives.
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
@@ -69,6 +75,7 @@ class Scheduler:
         if siblings and req.num_prompt_tokens > 1:
             # Siblings wait for the prompt's KV: they fork from ``req`` once it is computed.
             req.pending_forks = list(siblings)
+            self.num_fork_pending += len(siblings)
             for sib in siblings:
                 sib.status = RequestStatus.FORK_PENDING
                 sib.fork_parent = req
@@ -123,6 +130,7 @@ class Scheduler:
                 self.swapped.remove(req)
             elif req.status == RequestStatus.FORK_PENDING:
                 req.fork_parent.pending_forks.remove(req)
+                self.num_fork_pending -= 1
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -135,6 +143,7 @@ class Scheduler:
         self.block_manager.free(req)
         if req.pending_forks:
             # The parent ends before sharing its prompt: its siblings go on by themselves.
+            self.num_fork_pending -= len(req.pending_forks)
             for sib in req.pending_forks:
                 sib.fork_parent = None
                 sib.status = RequestStatus.WAITING
@@ -171,10 +180,12 @@ class Scheduler:
                 budget -= num_new
 
         # Resume swapped requests (oldest first), then admit waiting ones (FCFS) -- unless this step had
-        # to preempt.
+        # to preempt. A swapped request that does not fit yet keeps the waiting ones out: they would take
+        # the blocks it waits for, and a steady arrival of short requests would starve it for ever.
         if not preempted:
-            budget = self._start_queued(self.swapped, budget, scheduled, self._allocate_swapped)
-            budget = self._start_queued(self.waiting, budget, scheduled, self._allocate_waiting)
+            budget, blocked = self._start_queued(self.swapped, budget, scheduled, self._allocate_swapped)
+            if not blocked:
+                budget, _ = self._start_queued(self.waiting, budget, scheduled, self._allocate_waiting)
 
         items = []
         for req, num_new in scheduled.values():
@@ -182,7 +193,7 @@ class Scheduler:
             items.append(
                 ScheduledRequest(
                     req_id=req.req_id,
-                    token_ids=req.all_token_ids[start : start + num_new],
+                    token_ids=req.token_slice(start, start + num_new),
                     start_pos=start,
                     block_table=bm.get_block_table(req.req_id),
                     do_sample=start + num_new == req.num_tokens,
@@ -212,25 +223,27 @@ class Scheduler:
 
     def _start_queued(
         self,
-        queue: deque[Request],
+        queue: RequestQueue,
         budget: int,
         scheduled: dict[str, tuple[Request, int]],
         allocate: Callable[[Request, int], int | None],
-    ) -> int:
+    ) -> tuple[int, bool]:
         """Start ``queue``'s requests in order (paused ones are passed over) while ``allocate(req, budget)``
-        finds them room: it returns the number of tokens the request feeds, or None to stop at it."""
-        for req in list(queue):
-            if not self._can_join(req, budget):
-                break
+        finds them room: it returns the number of tokens the request feeds, or None to stop at it.
+        Returns the budget left and whether an unpaused request had to stay queued."""
+        # The walk stops at the first request that cannot start, so a long queue costs nothing here.
+        for req in queue:
             if req.is_paused:
                 continue
+            if not self._can_join(req, budget):
+                return budget, True
             num_new = allocate(req, budget)
             if num_new is None:
-                break  # first come, first served: the requests behind it wait too
+                return budget, True  # first come, first served: the requests behind it wait too
             self._start_running(req, queue)
             scheduled[req.req_id] = (req, num_new)
             budget -= num_new
-        return budget
+        return budget, False
 
     def _allocate_swapped(self, req: Request, budget: int) -> int | None:
         bm = self.block_manager
@@ -265,7 +278,7 @@ class Scheduler:
         num_seqs = len(self.running) + sum(len(r.pending_forks) for r in self.running)
         return budget > 0 and num_seqs + 1 + len(req.pending_forks) <= self.config.max_num_seqs
 
-    def _start_running(self, req: Request, queue: deque[Request] | None = None) -> None:
+    def _start_running(self, req: Request, queue: RequestQueue | None = None) -> None:
         if queue is not None:
             queue.remove(req)
         req.status = RequestStatus.RUNNING
@@ -289,13 +302,14 @@ class Scheduler:
     def _fork_siblings(self, parent: Request) -> None:
         """Fork ``parent``'s pending siblings: they share its blocks and join the running batch."""
         siblings, parent.pending_forks = parent.pending_forks, []
+        self.num_fork_pending -= len(siblings)
         for sib in siblings:
             sib.fork_parent = None
             self._fork(parent, sib)
 
     def fork(self, parent_req_id: str, child: Request) -> None:
         """Start ``child`` from the computed state of the unfinished request ``parent_req_id``.
-        ``child.all_token_ids`` must extend the parent's first ``num_computed_tokens`` tokens. A running
+        ``child``'s tokens must extend the parent's first ``num_computed_tokens`` tokens. A running
         parent shares its blocks (copy on write); otherwise the child queues to compute its tokens itself.
 
         Raises ``InvalidRequestError`` if ``child`` can never run (see ``add_request``).
@@ -392,7 +406,8 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            # Sequences, as vLLM counts them: siblings waiting to fork included.
+            num_waiting=len(self.waiting) + self.num_fork_pending,
             num_swapped=len(self.swapped),
             kv_cache_usage=bm.usage,
             cpu_cache_usage=bm.cpu_usage,

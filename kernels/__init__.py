@@ -9,6 +9,8 @@ Modules:
 * ``metadata``: ``AttentionMetadata``, the per-step tensors every backend reads.
 * ``torch_ops``: the pure-torch ops, the reference for the Triton kernels and the CPU path.
 * ``triton_ops``: the Triton kernels with the same signatures (compiled on CUDA, interpreted on CPU).
+* ``cpu_ops``: the ``cpu`` backend, a C++ kernel that reads K/V in place (``csrc/``), built and cached
+  by ``cpu_build``; the torch cache ops.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kvpilot.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "resolve_backend_name"]
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,8 @@ class AttentionBackend:
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
-    """``auto`` -> ``triton`` on CUDA when triton imports, else ``torch``; an explicit name as is.
-    Raises ``ValueError`` for an unknown name."""
+    """``auto`` -> ``triton`` on CUDA when triton imports, ``cpu`` on CPU when the C++ kernel builds (or
+    is cached), else ``torch``; an explicit name as is. Raises ``ValueError`` for an unknown name."""
     if name == "auto":
         if device_type == "cuda":
             try:
@@ -45,16 +47,29 @@ def resolve_backend_name(name: str, device_type: str) -> str:
                 return "triton"
             except ImportError:
                 return "torch"
-        return "torch"
+        from kvpilot.kernels import cpu_ops
+
+        return "cpu" if cpu_ops.is_available() else "torch"
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
+    if name == "cpu" and device_type != "cpu":
+        raise ValueError(f"attention backend cpu runs on CPU devices only; got device {device_type!r}")
     return name
 
 
 def get_backend(name: str = "auto", device_type: str = "cpu") -> AttentionBackend:
+    """The ops of backend ``name`` (resolved by ``resolve_backend_name``). ``cpu`` whose kernel cannot
+    be built falls back to ``torch`` (the build failure is logged once)."""
     name = resolve_backend_name(name, device_type)
+    if name == "cpu":
+        from kvpilot.kernels import cpu_ops
+
+        if not cpu_ops.is_available():
+            name = "torch"
     if name == "triton":
         from kvpilot.kernels import triton_ops as ops
+    elif name == "cpu":
+        from kvpilot.kernels import cpu_ops as ops
     else:
         from kvpilot.kernels import torch_ops as ops
     return AttentionBackend(

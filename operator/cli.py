@@ -8,14 +8,48 @@ actually starts, so ``kvpilot render`` and ``kvpilot replay`` work wherever PyYA
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 import yaml
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.platform import DEFAULT_ENGINE_IMAGE, Platform, split_list
 
 _GLOB_CHARS = set("*?[]!")
+# The chart passes its values to the operator through these (a flag wins over its variable).
+ENV_DEFAULT_IMAGE = "KVPILOT_DEFAULT_IMAGE"
+ENV_ALLOWED_REGISTRIES = "KVPILOT_ALLOWED_REGISTRIES"
+ENV_ALLOWED_SERVICE_ACCOUNTS = "KVPILOT_ALLOWED_SERVICE_ACCOUNTS"
+
+
+def _add_default_image(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--default-image",
+        default=None,
+        metavar="IMAGE",
+        help=f"engine image for InferenceServices whose spec.image is unset (default: ${ENV_DEFAULT_IMAGE}, "
+        f"else {DEFAULT_ENGINE_IMAGE})",
+    )
+
+
+def platform_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Platform:
+    """The operator-level settings from the flags, else the chart's environment variables.
+    Raises ValueError for an empty default image."""
+    env = os.environ if environ is None else environ
+    image = getattr(args, "default_image", None) or env.get(ENV_DEFAULT_IMAGE) or DEFAULT_ENGINE_IMAGE
+    registries = getattr(args, "allowed_registries", None)
+    accounts = getattr(args, "allowed_service_accounts", None)
+    return Platform(
+        default_image=image,
+        allowed_registries=split_list(
+            registries if registries is not None else env.get(ENV_ALLOWED_REGISTRIES)
+        ),
+        allowed_service_accounts=split_list(
+            accounts if accounts is not None else env.get(ENV_ALLOWED_SERVICE_ACCOUNTS)
+        ),
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -84,6 +118,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="append every scrape to FILE as JSON Lines, /metrics text as served (~20 KiB per pod and "
         "scrape); replay them with `kvpilot replay --metrics FILE`",
     )
+    _add_default_image(op)
+    op.add_argument(
+        "--allowed-registries",
+        default=None,
+        metavar="HOST,...",
+        help="only run engine images from these registries (comma-separated, e.g. ghcr.io,nvcr.io; "
+        f"default: ${ENV_ALLOWED_REGISTRIES}, else any); others get SpecValid=False",
+    )
+    op.add_argument(
+        "--allowed-service-accounts",
+        default=None,
+        metavar="NAME,...",
+        help="only run engine pods as these service accounts (comma-separated; unset means 'default'; "
+        f"default: ${ENV_ALLOWED_SERVICE_ACCOUNTS}, else any); others get SpecValid=False",
+    )
     op.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
     op.add_argument("--log-format", choices=["plain", "full", "json"], default="full", help="log format")
     op.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -105,6 +154,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="NS",
         help="namespace for InferenceServices that name none (default: leave it unset)",
     )
+    _add_default_image(render)
     render.set_defaults(func=run_render)
 
     replay = subparsers.add_parser(
@@ -156,8 +206,11 @@ def _load_documents(filename: str) -> list[Any]:
         return [d for d in yaml.safe_load_all(handle) if d is not None]
 
 
-def render_documents(documents: list[Any], namespace: str | None = None) -> tuple[list[dict], list[str]]:
-    """(children of every valid InferenceService, error lines) for parsed YAML documents."""
+def render_documents(
+    documents: list[Any], namespace: str | None = None, platform: Platform | None = None
+) -> tuple[list[dict], list[str]]:
+    """(children of every valid InferenceService, error lines) for parsed YAML documents, resolved
+    with ``platform`` (None: the built-in defaults)."""
     from kvpilot.operator.api.settings import resolve
     from kvpilot.operator.render.builders import build_children
 
@@ -174,7 +227,7 @@ def render_documents(documents: list[Any], namespace: str | None = None) -> tupl
         if namespace and not (doc.get("metadata") or {}).get("namespace"):
             doc.setdefault("metadata", {})["namespace"] = namespace
         label = f"{names.KIND} {(doc.get('metadata') or {}).get('name', f'#{index}')}"
-        settings = resolve(doc)
+        settings = resolve(doc, platform or Platform())
         if not settings.is_valid:
             errors += [f"{label}: {p}" for p in settings.problems]
             continue
@@ -191,7 +244,7 @@ def run_render(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError) as exc:
         print(f"error: cannot read {args.filename}: {exc}", file=sys.stderr)
         return 1
-    children, errors = render_documents(documents, args.namespace)
+    children, errors = render_documents(documents, args.namespace, platform_from(args))
     for line in errors:
         print(f"error: {line}", file=sys.stderr)
     if errors:
@@ -274,6 +327,7 @@ def run_operator(args: argparse.Namespace) -> int:
         scrape_interval=args.scrape_interval,
         scrape_timeout=args.scrape_timeout,
         record=args.record,
+        platform=platform_from(args),
     )
     log_format = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
     kopf.configure(verbose=args.verbose, log_format=log_format[args.log_format])

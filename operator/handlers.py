@@ -84,7 +84,9 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         async def emit(isvc: dict, type_: str, reason: str, message: str) -> None:
             await post_event(memo.kube, isvc, type_, reason, message, LOG)
 
-        memo.reconciler = Reconciler(memo.kube, emit, service_monitors=options.service_monitors)
+        memo.reconciler = Reconciler(
+            memo.kube, emit, service_monitors=options.service_monitors, platform=options.platform
+        )
         memo.resync = asyncio.create_task(
             memo.reconciler.resync_forever(options.scopes, options.resync_interval, LOG)
         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvpilot.operator.api.platform import DEFAULT_PLATFORM, Platform
+
 
 @dataclasses.dataclass(frozen=True)
 class OperatorOptions:
@@ -15,7 +17,8 @@ class OperatorOptions:
     over every InferenceService. ``watch_timeout``: kopf's watch request timeout. ``service_monitors``:
     whether ServiceMonitors may be managed (RBAC). ``scrape_interval`` / ``scrape_timeout``: the
     remediation loop's period and per-pod timeout, in seconds. ``record``: a file to append every scrape
-    to (``kvpilot replay`` reads it)."""
+    to (``kvpilot replay`` reads it). ``platform``: the default engine image and the allowlists every
+    InferenceService is resolved with."""
 
     namespaces: tuple[str, ...] = ()
     clusterwide: bool = False
@@ -25,6 +28,7 @@ class OperatorOptions:
     scrape_interval: float = 15.0
     scrape_timeout: float = 3.0
     record: str | None = None
+    platform: Platform = DEFAULT_PLATFORM
 
     @property
     def scopes(self) -> list[str | None]:

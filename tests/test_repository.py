@@ -121,6 +121,11 @@ def test_the_wheel_holds_every_room_and_imports_without_the_checkout(tmp_path):
     in_wheel = {n.removeprefix("kvpilot/") for n in names if n.startswith("kvpilot/") and n.endswith(".py")}
     assert expected <= in_wheel, sorted(expected - in_wheel)[:10]
     assert "kvpilot/operator/__init__.py" not in names
+    # The CPU attention kernel builds from its sources on first use: they ship in the wheel.
+    sources = {
+        f"kvpilot/kernels/{p.relative_to(REPO / 'kernels')}" for p in (REPO / "kernels" / "csrc").iterdir()
+    }
+    assert sources and sources <= names, sorted(sources - names)
 
     target = tmp_path / "site"
     with zipfile.ZipFile(wheel) as archive:

@@ -1,5 +1,6 @@
-"""The FastAPI application: OpenAI endpoints under ``/v1`` (API key protected when one is set) plus the
-open operational endpoints ``/health``, ``/metrics`` and ``/version``."""
+"""The FastAPI application: OpenAI endpoints under ``/v1`` and the API's description (``/openapi.json``,
+``/docs``), all API key protected when one is set, plus the open operational endpoints ``/health``,
+``/metrics`` and ``/version`` (open as in vLLM: probes and Prometheus carry no key)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,18 @@ REQUEST_ID_HEADER = "x-request-id"
 _SAFE_REQUEST_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")
 # nginx's code for "client closed the request": shows up in access logs; nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
+# Paths (and the folders below them) that require the API key when one is set.
+PROTECTED_PATHS = ("/v1", "/openapi.json", "/docs")
+
+
+def requires_api_key(path: str) -> bool:
+    """Whether ``path`` is one of :data:`PROTECTED_PATHS` or below one of them."""
+    return any(path == p or path.startswith(p + "/") for p in PROTECTED_PATHS)
 
 
 class ServerMiddleware:
     """Pure ASGI middleware (no buffering, so streaming and disconnects pass straight through):
-    checks the API key on ``/v1`` paths and echoes ``X-Request-Id`` (the client's, or a new one)."""
+    checks the API key on the protected paths and echoes ``X-Request-Id`` (the client's, or a new one)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -60,8 +68,7 @@ class ServerMiddleware:
                 message["headers"] = [*message.get("headers", []), id_header]
             await send(message)
 
-        path = scope["path"]
-        if path == "/v1" or path.startswith("/v1/"):
+        if requires_api_key(scope["path"]):
             authorization = headers.get(b"authorization")
             error = self.state.check_api_key(authorization.decode("latin-1") if authorization else None)
             if error is not None:
@@ -81,7 +88,7 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             state.engine.shutdown()
 
-    app = FastAPI(title="kvpilot", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvpilot", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
     app.add_middleware(ServerMiddleware, state=state)
 
@@ -141,11 +148,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(state, await protocol.read_json_body(request), request)
+        body = await protocol.read_json_body(request)
+        protocol.check_limits(body, state.limits, is_chat=False)
+        return await create_completion(state, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(state, await protocol.read_json_body(request), request)
+        body = await protocol.read_json_body(request)
+        protocol.check_limits(body, state.limits, is_chat=True)
+        return await create_chat_completion(state, body, request)
 
     return app
 

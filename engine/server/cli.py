@@ -30,6 +30,7 @@ from kvpilot.engine.config import (
     flag_name,
 )
 from kvpilot.engine.errors import ConfigError
+from kvpilot.engine.server.limits import RequestLimits
 
 logger = logging.getLogger("kvpilot.serve")
 
@@ -42,6 +43,13 @@ _CHOICES = {
 }
 _SCALARS = {int: int, float: float, str: str}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# The per-request bounds (``RequestLimits`` fields): metavar and what the bound counts.
+_LIMIT_FLAGS = {
+    "max_stop_sequences": ("N", "most 'stop' strings one request may carry"),
+    "max_stop_sequence_length": ("CHARS", "longest 'stop' string, in characters"),
+    "max_stop_token_ids": ("N", "most 'stop_token_ids' one request may carry"),
+    "max_sequences_per_request": ("N", "most sequences (prompts x n) one request may ask for"),
+}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -84,8 +92,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     server.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY}; "
-        "/health and /metrics stay open)",
+        help=f"require 'Authorization: Bearer KEY' on /v1/*, /openapi.json and /docs (default: "
+        f"${ENV_API_KEY}; /health and /metrics stay open). Surrounding whitespace is ignored (a key "
+        "file's final newline); an empty key is an error",
     )
     server.add_argument(
         "--max-waiting-requests",
@@ -98,8 +107,19 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEMPLATE",
-        help="Jinja chat template (a file or the template itself) replacing the tokenizer's",
+        help="Jinja chat template replacing the tokenizer's: a file, or the template itself. A value "
+        "with no '{{' or '{%%' that contains a path separator or ends in .jinja, .j2 or .txt is a "
+        "file, which must exist",
     )
+    defaults = RequestLimits()
+    for name, (metavar, what) in _LIMIT_FLAGS.items():
+        server.add_argument(
+            flag_name(name),
+            type=_positive if name == "max_sequences_per_request" else _non_negative,
+            default=getattr(defaults, name),
+            metavar=metavar,
+            help=f"{what}; more is a 400 naming this flag (default: %(default)s)",
+        )
     server.add_argument(
         "--generation-config",
         choices=("auto", "vllm"),
@@ -169,6 +189,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -225,15 +252,20 @@ def setup_logging(level: str, fmt: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM. Exit codes: 0 clean shutdown, 1 start-up failure, 2 bad flags."""
+    """Serve until SIGINT/SIGTERM. Exit codes: 1 start-up failure, 2 bad flags; after a signal, the
+    graceful shutdown ends with the signal re-raised (uvicorn does so: exit -15 after SIGTERM)."""
     setup_logging(args.log_level, args.log_format)
     try:
         engine_args = engine_args_from(args)
     except ConfigError as exc:
         logger.error("invalid engine argument: %s", exc)
         return 2
-    api_key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
-    chat_template = _read_chat_template(args.chat_template)
+    try:
+        api_key = resolve_api_key(args.api_key, os.environ.get(ENV_API_KEY))
+        chat_template = read_chat_template(args.chat_template)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
@@ -242,16 +274,65 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.server.launch import serve  # torch, transformers, uvicorn: only once flags are good
 
     try:
-        return serve(args, engine_args, api_key or None, chat_template, sock)
+        return serve(args, engine_args, api_key, chat_template, sock)
     finally:
         sock.close()
 
 
-def _read_chat_template(value: str | None) -> str | None:
-    if value is None or not os.path.isfile(value):
+def request_limits_from(ns: argparse.Namespace) -> RequestLimits:
+    """The ``RequestLimits`` the parsed flags describe."""
+    return RequestLimits(**{name: getattr(ns, name) for name in _LIMIT_FLAGS})
+
+
+def resolve_api_key(flag: str | None, env: str | None) -> str | None:
+    """The key to require: ``--api-key`` if given, else ``$KVPILOT_API_KEY``, normalised by
+    :func:`normalize_api_key`; None when neither is set."""
+    if flag is not None:
+        return normalize_api_key(flag, "--api-key")
+    return None if env is None else normalize_api_key(env, f"${ENV_API_KEY}")
+
+
+def normalize_api_key(key: str, source: str) -> str:
+    """``key`` without surrounding whitespace (a key file's final newline); ``ConfigError`` naming
+    ``source`` when nothing is left: an empty key must never mean "no authentication"."""
+    stripped = key.strip()
+    if not stripped:
+        raise ConfigError(
+            f"the API key from {source} is empty: set a non-empty key, or leave it unset to serve "
+            "without authentication"
+        )
+    return stripped
+
+
+_TEMPLATE_FILE_SUFFIXES = (".jinja", ".j2", ".txt")
+
+
+def looks_like_path(value: str) -> bool:
+    """Whether a ``--chat-template`` value names a file rather than being a template: no Jinja markers,
+    and a path separator or a template-file suffix."""
+    if "{{" in value or "{%" in value:
+        return False
+    return os.sep in value or "/" in value or value.lower().endswith(_TEMPLATE_FILE_SUFFIXES)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """The template text of ``--chat-template``: the file's contents when ``value`` is an existing
+    file, ``value`` itself when it is a template; ``ConfigError`` when it looks like a path (see
+    :func:`looks_like_path`) that cannot be read, or names an empty file."""
+    if value is None:
+        return None
+    if not os.path.isfile(value):
+        if looks_like_path(value):
+            raise ConfigError(f"--chat-template {value!r}: no such file")
         return value
-    with open(value, encoding="utf-8") as fh:
-        return fh.read()
+    try:
+        with open(value, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {value!r}: cannot read it: {exc}") from None
+    if not text.strip():
+        raise ConfigError(f"--chat-template {value!r}: the file is empty")
+    return text
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -21,6 +21,7 @@ from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.metrics import LoggingStatLogger, PrometheusStatLogger
 from kvpilot.engine.server.app import build_app
+from kvpilot.engine.server.cli import request_limits_from
 from kvpilot.engine.server.protocol import GENERATION_CONFIG_KEYS
 from kvpilot.engine.server.serving import ServerState
 
@@ -78,6 +79,7 @@ def serve(
         metrics=metrics,
         sampling_defaults=defaults,
         chat_template=chat_template,
+        limits=request_limits_from(args),
     )
     cfg = engine.model_config
     logger.info(
@@ -130,6 +132,7 @@ def serve(
         {
             "api_key": "required" if api_key else "none",
             "max_waiting_requests": args.max_waiting_requests,
+            "max_sequences_per_request": args.max_sequences_per_request,
         },
     )
     try:

@@ -4,13 +4,17 @@ Bodies are parsed here rather than by FastAPI so that every failure is a 4xx in 
 precise message: a body over the size limit (413), bytes that are not UTF-8, malformed JSON, ``NaN``
 or ``Infinity`` literals, strings with lone surrogates, and fields of the wrong type (400). Types are
 checked strictly (``"16"`` is not an integer); value ranges are checked once, by ``SamplingParams``.
-Unknown fields are ignored with a warning, as vLLM does.
+Unknown fields are ignored, as vLLM does, with a warning at a bounded rate (``limits.UnknownFieldsLog``):
+a body with thousands of made-up keys costs one log line at most and leaves no state behind.
+
+Per-request bounds beyond the types (``limits.RequestLimits``, server flags) are checked by
+:func:`check_limits` on the parsed body, before validation and tokenization: the number of ``stop``
+strings and their length, the number of ``stop_token_ids``, and prompts x ``n``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,15 +23,15 @@ from starlette.requests import ClientDisconnect, Request
 from kvpilot.engine.errors import SamplingParamsError
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request, not_supported
-
-logger = logging.getLogger("kvpilot.server")
+from kvpilot.engine.server.limits import RequestLimits, UnknownFieldsLog
 
 MAX_BODY_BYTES = 16 << 20  # far beyond any prompt a max_model_len admits; stops memory abuse
 MAX_N = 128
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-_warned_fields: set[str] = set()
+
+unknown_fields_log = UnknownFieldsLog()
 
 
 class _Strict(BaseModel):
@@ -191,10 +195,7 @@ def validate(model: type[BaseModel], obj: dict[str, Any]) -> Any:
                 details.setdefault(where, err["msg"])
         text = "; ".join(f"{where}: {msg}" for where, msg in list(details.items())[:5])
         raise bad_request(f"invalid request: {text}", param=param.split("[", 1)[0] or None) from None
-    for name in req.model_extra or {}:
-        if name not in _warned_fields:
-            _warned_fields.add(name)
-            logger.warning("ignoring unsupported request field %r", name)
+    unknown_fields_log.observe(req.model_extra or {})
     return req
 
 
@@ -229,6 +230,53 @@ _UNION_TAGS = {
     "ContentPart",
     "ChatMessage",
 }
+
+
+# ---------------------------------------------------------------------------------------------- limits
+def check_limits(body: dict[str, Any], limits: RequestLimits, *, is_chat: bool) -> None:
+    """400 when a body's ``stop`` strings, ``stop_token_ids`` or prompts x ``n`` exceed ``limits`` (each
+    message names the flag). Runs on the parsed JSON before type validation and tokenization, so that
+    a hostile request costs no more than its parse; values of the wrong type are left to
+    :func:`validate`."""
+    stop = body.get("stop")
+    stop_strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stop_strings) > limits.max_stop_sequences:
+        raise bad_request(
+            f"stop has {len(stop_strings)} strings; this server allows at most "
+            f"{limits.max_stop_sequences} per request (--max-stop-sequences)",
+            param="stop",
+        )
+    longest = max((len(s) for s in stop_strings if isinstance(s, str)), default=0)
+    if longest > limits.max_stop_sequence_length:
+        raise bad_request(
+            f"a stop string has {longest} characters; this server allows at most "
+            f"{limits.max_stop_sequence_length} (--max-stop-sequence-length)",
+            param="stop",
+        )
+    stop_ids = body.get("stop_token_ids")
+    if isinstance(stop_ids, list) and len(stop_ids) > limits.max_stop_token_ids:
+        raise bad_request(
+            f"stop_token_ids has {len(stop_ids)} entries; this server allows at most "
+            f"{limits.max_stop_token_ids} per request (--max-stop-token-ids)",
+            param="stop_token_ids",
+        )
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    num_prompts = 1 if is_chat else _num_prompts(body.get("prompt"))
+    if num_prompts * n > limits.max_sequences_per_request:
+        raise bad_request(
+            f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; this "
+            f"server allows at most {limits.max_sequences_per_request} per request "
+            "(--max-sequences-per-request)",
+            param="n" if num_prompts == 1 else "prompt",
+        )
+
+
+def _num_prompts(prompt: Any) -> int:
+    """Prompts in a completions ``prompt``: a list of strings or of token-id lists holds several."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1
 
 
 # ---------------------------------------------------------------------------------------------- sampling

@@ -19,7 +19,9 @@ from kvpilot.engine.async_engine import AsyncEngine, PromptInput, RequestStream
 from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.cli import normalize_api_key
 from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request, from_exception
+from kvpilot.engine.server.limits import RequestLimits
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -31,7 +33,11 @@ _MIN_LOGPROB = -9999.0
 
 @dataclass
 class ServerState:
-    """Everything the request handlers need; one per server process."""
+    """Everything the request handlers need; one per server process.
+
+    ``api_key``: None serves unauthenticated; otherwise the key with surrounding whitespace removed (a
+    key file ending in a newline works), and a key that is empty after that is a ``ConfigError``.
+    """
 
     engine: AsyncEngine
     tokenizer: Any  # the server's own tokenizer instance (the engine thread uses the engine's)
@@ -43,8 +49,13 @@ class ServerState:
     metrics: Any = None  # PrometheusStatLogger
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            self.api_key = normalize_api_key(self.api_key, "api_key")
 
     @property
     def model_name(self) -> str:
@@ -78,7 +89,7 @@ class ServerState:
             )
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
+            token.strip().encode("utf-8", "surrogateescape"), self.api_key.encode("utf-8", "surrogateescape")
         ):
             return APIError(401, "Incorrect API key provided.", code="invalid_api_key", headers=headers)
         return None
@@ -271,11 +282,3 @@ def chat_logprobs(
             }
         )
     return content
-
-
-def delta_logprobs(out: RequestOutput, i: int, num_new: int) -> tuple[list[int], list[dict[int, float]]]:
-    """The token ids and logprob entries of completion ``i``'s newest ``num_new`` tokens."""
-    comp = out.outputs[i]
-    if comp.logprobs is None or num_new == 0:
-        return [], []
-    return comp.token_ids[-num_new:], comp.logprobs[-num_new:]

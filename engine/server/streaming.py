@@ -15,11 +15,11 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvpilot.engine.async_engine import RequestStream
 from kvpilot.engine.errors import EngineDeadError
+from kvpilot.engine.request_stream import RequestStream
 from kvpilot.engine.server.errors import from_exception
 from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest, request_logprobs
-from kvpilot.engine.server.serving import ServerState, choice, delta_logprobs, usage
+from kvpilot.engine.server.serving import ServerState, choice, usage
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -182,7 +182,9 @@ class ChunkStream:
                     finish = comp.finish_reason
                     if not text and finish is None and (not with_logprobs or not new_ids):
                         continue  # held back (partial character, possible stop string): nothing to say yet
-                    ids, entries = delta_logprobs(out, i, len(new_ids)) if with_logprobs else ([], [])
+                    # Streamed outputs carry only the delta: these lists are the new tokens' own.
+                    has_entries = with_logprobs and comp.logprobs is not None and new_ids
+                    ids, entries = (new_ids, comp.logprobs) if has_entries else ([], [])
                     if finish is not None:
                         done.add(index)
                     yield ChoiceDelta(index, text, finish, comp.stop_reason if finish else None, ids, entries)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpilot.operator.api.effective import Effective, resolve_effective
+from kvpilot.operator.api.platform import DEFAULT_PLATFORM, Platform
 from kvpilot.operator.api.spec import apply_defaults, parse_duration
 from kvpilot.operator.api.validation import override_problems, spec_problems
 
@@ -122,13 +123,19 @@ class Settings:
         )
 
 
-def resolve(isvc: Any) -> Settings:
+def resolve(isvc: Any, platform: Platform = DEFAULT_PLATFORM) -> Settings:
     """Apply the defaults to ``isvc``'s spec, validate it and resolve its effective configuration.
 
-    Never raises for a manifest of any shape: what is wrong is in ``Settings.problems``.
+    ``platform``: the operator's configuration; its ``default_image`` fills an unset ``spec.image``
+    and its allowlists are checked. Never raises for a manifest of any shape: what is wrong is in
+    ``Settings.problems``.
     """
     raw = isvc.get("spec") if isinstance(isvc, dict) else None
     spec = apply_defaults(raw) if isinstance(raw, dict) else {}
+    if isinstance(raw, dict) and raw.get("image") is None:
+        spec["image"] = platform.default_image
     problems = tuple(spec_problems(isvc, spec))
+    if not problems:
+        problems = tuple(platform.problems(spec))
     settings = Settings(isvc=isvc, spec=spec, problems=problems, spec_is_valid=not problems)
     return settings if problems else settings.with_status(isvc)

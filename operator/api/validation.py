@@ -185,8 +185,8 @@ def spec_problems(isvc: Any, spec: dict[str, Any]) -> list[str]:
     raw_spec = isvc.get("spec")
     if not isinstance(raw_spec, dict):
         return problems + ["spec is required"]
-    if not raw_spec.get("image"):
-        problems.append("spec.image is required (the engine image)")
+    if not spec.get("image"):
+        problems.append("spec.image must name the engine image (or be left out: the operator's default)")
     engine = spec.get("engine") or {}
     if not isinstance(engine, dict):
         return problems + ["spec.engine must be an object"]

@@ -5,6 +5,9 @@ requests in flight through this door (ties in turn), and its answer streams back
 is produced. A replica that refuses the connection (it just stopped) is skipped and the next one tried;
 once bytes have gone to the client, a failure ends that response. ``/health`` answers 200 while some
 replica is ready; ``/local/status`` is the platform's state as JSON (the demo's live view reads it).
+A client that disconnects cancels its handler (``handler_cancellation``) and with it the upstream
+request, whose connection is closed: the replica sees the disconnect and aborts the request (counted
+there as ``finished_reason="abort"``), streamed or not, and the door's in-flight count drops at once.
 A replica's own ``/metrics`` stays on the replica (``/local/status`` lists their URLs): one engine's
 counters behind a balanced port would mislead.
 """
@@ -88,7 +91,9 @@ class FrontDoor:
             connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
         )
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # Without handler cancellation aiohttp lets a handler run on after its client left: a
+        # non-streamed request would generate to max_tokens on the replica for nobody.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -137,6 +142,8 @@ class FrontDoor:
             self.in_flight[url] += 1
             try:
                 try:
+                    # Cancelled (the client left) while the replica works on a non-streamed answer,
+                    # aiohttp closes the connection: the replica sees the disconnect and aborts.
                     upstream = await self._session.request(
                         request.method, url + request.path_qs, data=body, headers=headers
                     )
@@ -149,6 +156,13 @@ class FrontDoor:
                 self.in_flight[url] -= 1
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        try:
+            return await self._copy(request, upstream)
+        except BaseException:
+            upstream.close()  # not released to the pool: closing it is what tells the replica to abort
+            raise
+
+    async def _copy(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         async with upstream:
             headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -168,7 +182,8 @@ class FrontDoor:
                 try:
                     await response.write(chunk)
                 except ConnectionError:
-                    return response  # the client left; closing ``upstream`` tells the replica to abort
+                    upstream.close()  # the client left: closing tells the replica to abort
+                    return response
             await response.write_eof()
             return response
 

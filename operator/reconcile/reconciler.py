@@ -1,8 +1,9 @@
 """Reconciling an InferenceService: one pass (:func:`reconcile`: build, apply what changed, write
 status) and the :class:`Reconciler` that runs passes one at a time per object on a fresh read.
 
-Idempotent: a child is written only when its desired hash differs from the live object's (or its
-replica count or owner reference drifted), and status only when an owned field changed, so a
+Idempotent: a child is written only when its desired hash differs from the live object's, or when
+any field the operator renders drifted on the live object (``kubectl set image``, edited args or env,
+a hand-scaled Deployment: see :func:`drifted`), and status only when an owned field changed, so a
 pass over an unchanged object performs reads only. No kopf and no HTTP client here: the API client is
 injected (``api.rest.Kube``), and the kopf handlers and the local platform translate the
 :class:`Outcome` into their errors and logs.
@@ -18,8 +19,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.platform import DEFAULT_PLATFORM, Platform
 from kvpilot.operator.api.rest import ApiError, Kube, object_path, path_of
 from kvpilot.operator.api.settings import Settings, resolve
+from kvpilot.operator.api.spec import parse_quantity
 from kvpilot.operator.api.timefmt import rfc3339
 from kvpilot.operator.reconcile.status import (
     blocked_message,
@@ -65,24 +68,53 @@ def is_controlled_by(obj: dict[str, Any], isvc: dict[str, Any]) -> bool:
     )
 
 
-def needs_write(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
-    """Whether applying ``desired`` would change ``live``.
+def _same_scalar(desired: Any, live: Any) -> bool:
+    if desired == live and type(desired) is type(live):
+        return True
+    if isinstance(desired, bool) or isinstance(live, bool):
+        return False
+    # The API server returns quantities in canonical form ("1" for 1, "500m" for "0.5").
+    if isinstance(desired, str | int | float) and isinstance(live, str | int | float):
+        try:
+            return parse_quantity(desired) == parse_quantity(live)
+        except (ValueError, ArithmeticError):
+            return False
+    return False
 
-    The config hash covers everything the operator renders; replicas are compared directly
-    because someone scaling the Deployment by hand is drift the operator must undo.
-    """
+
+def drifted(desired: Any, live: Any, path: str = "") -> str | None:
+    """The first field the operator renders (a key of ``desired``, at any depth) whose live value
+    differs, as a dotted path; None when ``live`` holds all of ``desired``. Fields the API server or
+    other controllers add (defaults, status, annotations of their own) are not drift."""
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return path or "."
+        for key, value in desired.items():
+            where = drifted(value, live.get(key), f"{path}.{key}" if path else key)
+            if where is not None:
+                return where
+        return None
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return path
+        for index, (want, have) in enumerate(zip(desired, live, strict=True)):
+            where = drifted(want, have, f"{path}[{index}]")
+            if where is not None:
+                return where
+        return None
+    return None if _same_scalar(desired, live) else path
+
+
+def needs_write(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    """Whether applying ``desired`` would change ``live``: it is missing, its config hash differs, or a
+    field the operator renders drifted (edited by hand: the operator owns it and restores it)."""
     if live is None:
         return True
     key = names.ANNOTATION_CONFIG_HASH
     live_meta = live.get("metadata") or {}
     if (live_meta.get("annotations") or {}).get(key) != desired["metadata"]["annotations"][key]:
         return True
-    if (
-        desired.get("kind") == "Deployment"
-        and (live.get("spec") or {}).get("replicas") != desired["spec"]["replicas"]
-    ):
-        return True
-    return False
+    return drifted({k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}, live) is not None
 
 
 async def _apply_children(kube: Kube, isvc: dict[str, Any], children: list[dict], outcome: Outcome):
@@ -225,13 +257,22 @@ class Reconciler:
     """Runs reconcile passes: one at a time per object, always on a fresh read of it.
 
     ``post_event`` posts the Events of a pass; ``service_monitors``: whether ServiceMonitors may be
-    managed. :meth:`lock` is also the lock remediation takes before it writes the same object.
+    managed; ``platform``: the operator's default image and allowlists. :meth:`lock` is also the lock
+    remediation takes before it writes the same object.
     """
 
-    def __init__(self, kube: Kube, post_event: PostEvent, *, service_monitors: bool = False) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        post_event: PostEvent,
+        *,
+        service_monitors: bool = False,
+        platform: Platform = DEFAULT_PLATFORM,
+    ) -> None:
         self.kube = kube
         self.post_event = post_event
         self.service_monitors = service_monitors
+        self.platform = platform
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -248,7 +289,7 @@ class Reconciler:
             if isvc is None:
                 self._locks.pop((namespace, name), None)
                 return Outcome(gone=True)
-            outcome = await self.reconcile(resolve(isvc), announce=announce)
+            outcome = await self.reconcile(resolve(isvc, self.platform), announce=announce)
         for line in outcome.written:
             logger.info(line)
         return outcome

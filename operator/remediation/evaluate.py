@@ -73,8 +73,9 @@ def _round(value: float, digits: int = 3) -> float:
 
 
 def signals_of(window: MetricWindow) -> dict[str, Any]:
-    """``status.signals`` for a window (without ``sampledAt``)."""
-    return {
+    """``status.signals`` for a window (without ``sampledAt``); ``notActing`` says why the policy
+    cannot act on it, when it cannot."""
+    out = {
         "preemptionsPerSecond": _round(window.preemption_rate, 2),
         "kvCacheUsage": round(window.kv_usage, 2),
         "requestsWaiting": round(window.waiting, 1),
@@ -82,6 +83,9 @@ def signals_of(window: MetricWindow) -> dict[str, Any]:
         "podsReporting": len(window.pods),
         "windowSeconds": round(window.covered_s),
     }
+    if not window.is_complete:
+        out["notActing"] = "; ".join(window.problems or ("no data",))[:1024]
+    return out
 
 
 def capacity_status(window: MetricWindow) -> dict[str, Any] | None:
@@ -104,8 +108,9 @@ def pressure_condition(
 ) -> dict[str, Any]:
     """``KVCachePressure``: True in a storm or under demand; it clears only once the rate falls below
     half the threshold (or KV usage/queue clearly below the demand thresholds), so it does not flap."""
-    if window.failing:
-        return {**condition(PRESSURE, False, "PodsFailing", "; ".join(window.failing)), "status": "Unknown"}
+    if window.not_running:
+        message = "; ".join(map(str, window.not_running))
+        return {**condition(PRESSURE, False, "PodsFailing", message), "status": "Unknown"}
     if not window.is_complete:
         message = "; ".join(window.problems or ("no data",))
         return {**condition(PRESSURE, False, "InsufficientData", message), "status": "Unknown"}
@@ -222,6 +227,8 @@ def evaluate(
         fresh = sampled is not None and now - parse_time(sampled) < SIGNALS_REFRESH_S
         if have != signals or not fresh:
             patch["signals"] = {**signals, "sampledAt": format_time(window.end)}
+            if "notActing" in have and "notActing" not in signals:
+                patch["signals"]["notActing"] = None  # a merge patch removes a key only by null
     elif status.get("signals"):
         patch["signals"] = None  # no pod reports: old numbers would mislead
     capacity = capacity_status(window)

@@ -127,13 +127,14 @@ class Autotuner:
             meta = isvc["metadata"]
             if meta.get("deletionTimestamp"):
                 continue  # being deleted: the garbage collector removes the children
-            settings = resolve(isvc)
+            settings = resolve(isvc, self.options.platform)
             if not settings.is_valid:
                 continue  # the reconciler reports why
             template = build_deployment(settings)["spec"]["template"]
             template_hash = template["metadata"]["labels"][names.LABEL_TEMPLATE_HASH]
             owned = by_owner.get((meta.get("namespace", ""), meta["name"]), [])
-            services.append(_Service(settings, classify(owned, template_hash, now), bool(owned)))
+            pods_of = classify(owned, template_hash, now, template)
+            services.append(_Service(settings, pods_of, bool(owned)))
         return services
 
     async def tick(self, logger: Any = LOG) -> None:
@@ -144,10 +145,23 @@ class Autotuner:
         services = self._services(isvcs, pods, tick)
         targets = [t for service in services for t in service.pods.targets]
         results = await self.scraper.scrape(targets)
-        owner_of = {t.key: service.settings for service in services for t in service.pods.targets}
         live_keys = {pod_key(p) for p in pods}
         for key in [k for k in self.series if k not in live_keys]:
             del self.series[key]  # the pod is gone
+        # Parsing is pure Python: off the event loop, so watches and handlers keep running meanwhile.
+        await asyncio.to_thread(self._ingest, results, services, tick)
+        now = self.clock()
+        for service in services:
+            try:
+                await self._evaluate(service, now, logger)
+            except ApiError as exc:
+                meta = service.settings.meta
+                logger.warning(f"remediation of {meta['namespace']}/{meta['name']} failed: {exc}")
+
+    def _ingest(self, results: list, services: list[_Service], tick: float) -> None:
+        """Feed the scrapes into the per-pod series and the recording (runs in a worker thread; the
+        series are touched by nothing else while a tick runs)."""
+        owner_of = {t.key: service.settings for service in services for t in service.pods.targets}
         for result in results:
             settings = owner_of[result.target.key]
             retention = settings.remediation.window_s + 2 * self.stale_after_s
@@ -161,16 +175,9 @@ class Autotuner:
                 isvc = service.settings.isvc
                 for pod in service.pods.waiting:
                     self.recorder.write_not_ready(pod, tick, isvc)
-                for failing in service.pods.failing:
-                    pod, _, why = failing.partition(": ")
-                    self.recorder.write_not_ready(pod, tick, isvc, why)
-        now = self.clock()
-        for service in services:
-            try:
-                await self._evaluate(service, now, logger)
-            except ApiError as exc:
-                meta = service.settings.meta
-                logger.warning(f"remediation of {meta['namespace']}/{meta['name']} failed: {exc}")
+                for failure in service.pods.failing:
+                    if not failure.ready:
+                        self.recorder.write_not_ready(failure.pod, tick, isvc, failure.why)
 
     async def _evaluate(self, service: _Service, now: float, logger: Any) -> None:
         listed = service.settings

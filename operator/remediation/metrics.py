@@ -18,8 +18,24 @@ from kvpilot.engine import metrics_names as m
 
 # The counter's creation time, exported next to it by prometheus-client (``<name>_created``).
 PREEMPTIONS_CREATED = m.NUM_PREEMPTIONS_TOTAL.removesuffix("_total") + "_created"
+# prometheus-client's ProcessCollector (``kvpilot serve`` and vLLM export it): moves on a restart.
+PROCESS_START = "process_start_time_seconds"
 # What one scrape must carry to count; the names as the engine exports them (aliases accepted).
 REQUIRED = (m.NUM_PREEMPTIONS_TOTAL, m.KV_CACHE_USAGE_PERC, m.NUM_REQUESTS_WAITING, m.NUM_REQUESTS_RUNNING)
+# The values a healthy engine can emit: (low, high) inclusive. Anything else is dropped as invalid.
+VALID_RANGE = {
+    m.NUM_PREEMPTIONS_TOTAL: (0.0, math.inf),
+    m.KV_CACHE_USAGE_PERC: (0.0, 1.0),
+    m.NUM_REQUESTS_WAITING: (0.0, math.inf),
+    m.NUM_REQUESTS_RUNNING: (0.0, math.inf),
+}
+
+
+def is_valid_sample(canonical: str, value: float) -> bool:
+    """Whether ``value`` is one a healthy engine emits for the required metric ``canonical``:
+    finite and within ``VALID_RANGE`` (counters and counts non-negative, KV usage within 0..1)."""
+    low, high = VALID_RANGE[canonical]
+    return math.isfinite(value) and low <= value <= high
 
 
 class MetricsParseError(ValueError):
@@ -31,9 +47,12 @@ class Scrape:
     """One pod's ``/metrics`` at ``time`` (unix seconds).
 
     ``preemptions``: ``vllm:num_preemptions_total`` summed over its series; ``preemptions_created``:
-    its ``_created`` timestamp when exported. ``kv_usage`` (0..1), ``waiting``, ``running``: the
-    gauges. ``cache_info`` / ``model_info``: the labels of ``vllm:cache_config_info`` and
-    ``kvpilot:model_config_info``. ``missing``: required metrics the response lacked.
+    its ``_created`` timestamp when exported; ``process_start``: ``process_start_time_seconds`` when
+    exported. ``kv_usage`` (0..1), ``waiting``, ``running``: the gauges. ``cache_info`` /
+    ``model_info``: the labels of ``vllm:cache_config_info`` and ``kvpilot:model_config_info``.
+    ``missing``: required metrics the response lacked. ``invalid``: ``"name=value"`` for each sample of
+    a required metric dropped because no healthy engine emits it (NaN, infinite, negative, KV usage
+    outside 0..1); a scrape with any is not used.
     """
 
     time: float
@@ -45,6 +64,13 @@ class Scrape:
     cache_info: Mapping[str, str] = dataclasses.field(default_factory=dict)
     model_info: Mapping[str, str] = dataclasses.field(default_factory=dict)
     missing: tuple[str, ...] = ()
+    invalid: tuple[str, ...] = ()
+    process_start: float | None = None
+
+    @property
+    def started(self) -> tuple[float | None, float | None]:
+        """What identifies the process that counted (start time, counter creation): a restart moves it."""
+        return (self.process_start, self.preemptions_created)
 
 
 def _samples_from_text(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -80,7 +106,8 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
     """A :class:`Scrape` from Prometheus text (or already parsed samples, see ``_samples_from_json``).
 
     Deprecated names (``vllm:gpu_cache_usage_perc``) count as their current ones; where an engine
-    exports both, the current name wins. Raises MetricsParseError for an unparsable body.
+    exports both, the current name wins. Samples outside what an engine emits are dropped and listed
+    in ``invalid`` (see :func:`is_valid_sample`). Raises MetricsParseError for an unparsable body.
     """
     samples = _samples_from_text(metrics) if isinstance(metrics, str) else _samples_from_json(metrics)
     sums: dict[str, float] = {}
@@ -88,20 +115,27 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
     cache_info: dict[str, str] = {}
     model_info: dict[str, str] = {}
     created: float | None = None
+    started: float | None = None
+    invalid: list[str] = []
     for name, labels, value in samples:
-        if math.isnan(value):
-            continue
         if name == m.CACHE_CONFIG_INFO:
             cache_info = labels
             continue
         if name == m.MODEL_CONFIG_INFO:
             model_info = labels
             continue
-        if name == PREEMPTIONS_CREATED:
-            created = value if created is None else min(created, value)
+        if name in (PREEMPTIONS_CREATED, PROCESS_START):
+            if math.isfinite(value) and value > 0:
+                if name == PROCESS_START:
+                    started = value
+                else:
+                    created = value if created is None else min(created, value)
             continue
         canonical = m.canonical_name(name)
         if canonical not in REQUIRED:
+            continue
+        if not is_valid_sample(canonical, value):
+            invalid.append(f"{name}={value:g}")
             continue
         target = sums if canonical == name else via_alias
         if canonical == m.KV_CACHE_USAGE_PERC:  # one pool per engine: several series -> the fullest
@@ -119,6 +153,8 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
         cache_info=cache_info,
         model_info=model_info,
         missing=tuple(name for name in REQUIRED if name not in values),
+        invalid=tuple(invalid),
+        process_start=started,
     )
 
 

@@ -2,8 +2,9 @@
 
 Pure functions over Pod objects as the API server returns them. Only pods of the *current*
 configuration (their ``serving.kvpilot.io/template-hash`` label equals the Deployment template the
-operator renders now) count: metrics of a pod still running the previous configuration say nothing
-about the new one.
+operator renders now, and their engine container runs the rendered image and env: a hand edit of the
+Deployment keeps the label) count: metrics of a pod running another configuration say nothing
+about this one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ FAILING_WAITING_REASONS = frozenset(
 FAILING_TERMINATED_REASONS = frozenset({"OOMKilled", "Error", "ContainerCannotRun"})
 # An unschedulable pod may be waiting for the cluster autoscaler: it fails only after this long.
 UNSCHEDULABLE_GRACE_S = 300.0
+# An OOM kill in a container's previous run counts only this long after it ended: an old one says
+# nothing about the configuration running now.
+RECENT_FAILURE_S = 1800.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A pod of the current configuration that fails: ``why``, since ``time`` (unix seconds: when it
+    failed, else when the pod was created; None: unknown), and whether it is ``ready`` anyway (a
+    container that was OOM-killed, restarted and serves again)."""
+
+    pod: str
+    why: str
+    time: float | None = None
+    ready: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.pod}: {self.why}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +61,14 @@ class Target:
 class PodSet:
     """One InferenceService's engine pods, classified.
 
-    ``targets``: ready pods of the current configuration. ``failing``: ``"pod: why"`` for pods of the
-    current configuration that cannot run. ``waiting``: current pods not ready yet (starting).
+    ``targets``: ready pods of the current configuration (a ready pod is scraped, whatever its past).
+    ``failing``: the :class:`Failure` of each pod of the current configuration that cannot run, or
+    was OOM-killed recently. ``waiting``: current pods not ready yet (starting).
     ``outdated``: pods still on a previous configuration.
     """
 
     targets: tuple[Target, ...] = ()
-    failing: tuple[str, ...] = ()
+    failing: tuple[Failure, ...] = ()
     waiting: tuple[str, ...] = ()
     outdated: tuple[str, ...] = ()
 
@@ -98,9 +118,11 @@ def pod_failure(pod: dict[str, Any], now: float) -> str | None:
         terminated = (state.get("terminated") or {}).get("reason")
         if terminated in FAILING_TERMINATED_REASONS:
             return f"terminated: {terminated}"
-        last = ((container.get("lastState") or {}).get("terminated") or {}).get("reason")
-        if last == "OOMKilled":
-            return f"OOMKilled ({container.get('restartCount', 0)} restart(s))"
+        last = (container.get("lastState") or {}).get("terminated") or {}
+        if last.get("reason") == "OOMKilled":
+            ended = last.get("finishedAt")
+            if ended is None or now - parse_time(ended) <= RECENT_FAILURE_S:
+                return f"OOMKilled ({container.get('restartCount', 0)} restart(s))"
     for condition in status.get("conditions") or []:
         if (
             condition.get("type") == "PodScheduled"
@@ -114,23 +136,67 @@ def pod_failure(pod: dict[str, Any], now: float) -> str | None:
     return None
 
 
-def classify(pods: Iterable[dict[str, Any]], template_hash: str, now: float) -> PodSet:
-    """Sort one InferenceService's engine pods (see :class:`PodSet`)."""
+def failure_time(pod: dict[str, Any]) -> float | None:
+    """When the engine container last failed (its termination, or an unschedulable pod's condition),
+    else when the pod was created; None when the pod says neither."""
+    status = pod.get("status") or {}
+    times = []
+    for container in status.get("containerStatuses") or []:
+        if container.get("name") == names.ENGINE_CONTAINER:
+            for state in (container.get("state") or {}, container.get("lastState") or {}):
+                ended = (state.get("terminated") or {}).get("finishedAt")
+                if ended:
+                    times.append(parse_time(ended))
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("lastTransitionTime"):
+            if condition.get("status") == "False":
+                times.append(parse_time(condition["lastTransitionTime"]))
+    created = (pod.get("metadata") or {}).get("creationTimestamp")
+    if times:
+        return max(times)
+    return parse_time(created) if created else None
+
+
+def _engine_container(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    containers = pod_spec.get("containers") or []
+    return next((c for c in containers if c.get("name") == names.ENGINE_CONTAINER), {})
+
+
+def runs_rendered(pod: dict[str, Any], rendered: dict[str, Any] | None) -> bool:
+    """Whether the pod's engine container runs the image and env of ``rendered`` (the engine
+    container of the pod template the operator renders; None: not checked). A field the pod does not
+    show is not compared (the local platform's pods show their own args, not the rendered ones)."""
+    if rendered is None:
+        return True
+    live = _engine_container(pod.get("spec") or {})
+    return all(live[key] == rendered.get(key) for key in ("image", "env") if key in live)
+
+
+def classify(
+    pods: Iterable[dict[str, Any]],
+    template_hash: str,
+    now: float,
+    template: dict[str, Any] | None = None,
+) -> PodSet:
+    """Sort one InferenceService's engine pods (see :class:`PodSet`). ``template``: the pod template
+    the operator renders; a pod whose engine container differs from it is outdated."""
+    rendered = _engine_container(template.get("spec") or {}) if template is not None else None
     targets, failing, waiting, outdated = [], [], [], []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         meta = pod["metadata"]
         if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue  # on its way out (scale-down, eviction): the ReplicaSet replaces what it must
-        if (meta.get("labels") or {}).get(names.LABEL_TEMPLATE_HASH) != template_hash:
+        current = (meta.get("labels") or {}).get(names.LABEL_TEMPLATE_HASH) == template_hash
+        if not current or not runs_rendered(pod, rendered):
             outdated.append(meta["name"])
             continue
         why = pod_failure(pod, now)
-        if why is not None:
-            failing.append(f"{meta['name']}: {why}")
-            continue
         url = metrics_url(pod)
-        if is_ready(pod) and url is not None:
+        ready = is_ready(pod) and url is not None
+        if why is not None:
+            failing.append(Failure(meta["name"], why, failure_time(pod), ready))
+        if ready:
             targets.append(Target(meta.get("namespace", ""), meta["name"], meta.get("uid", ""), url))
-        else:
+        elif why is None:
             waiting.append(meta["name"])
     return PodSet(tuple(targets), tuple(failing), tuple(waiting), tuple(outdated))

@@ -6,18 +6,22 @@ once (``api.settings.resolve``), so the policy reads its limits and thresholds, 
 
 In the order vLLM's tuning guide prescribes::
 
-    failing pods after our last change ─► revert it (at once: the policy never makes things worse)
-    data missing / stale / partial     ─► nothing
-    demand: KV usage >= kvCacheUsageHigh and waiting/replica >= requestsWaitingHigh (both halves)
+    pods of our last change fail after it ─► revert it (at once: the policy never makes things worse)
+    data missing / stale / partial / invalid ─► nothing
+    demand: KV usage >= kvCacheUsageHigh and waiting/replica >= requestsWaitingHigh at every scrape
         ─► addReplica (up to maxReplicas; at the bound, a storm falls through to the per-pod levers)
-    storm: preemptions/s per replica > preemptionRate in both halves of the window
+    storm: preemptions/s per replica > preemptionRate in every scrape interval of the window
         ─► raiseGpuMemoryUtilization ─► lowerMaxNumSeqs ─► lowerMaxNumBatchedTokens
            ─► raiseTensorParallelSize ─► raisePipelineParallelSize ─► addReplica
     idle: no preemption, no queue, KV usage below kvCacheUsageIdle all window ─► removeReplica
     (down to minReplicas)
 
-Hysteresis, so that flapping input never flaps the output: pressure must hold in *both* halves of a
-complete window; one change per cooldown; after a change, the next needs a window that starts after it
+Every condition must hold across the whole window (``MetricWindow.full``: each pod has a scrape at or
+before its start), so a storm shorter than ``window`` never triggers one. A change is blamed (reverted)
+only for failures of pods on its configuration that happened after it, within ``BLAME_S``.
+
+Hysteresis, so that flapping input never flaps the output: pressure must hold in *every* interval of
+a full window; one change per cooldown; after a change, the next needs a window that starts after it
 (per-pod changes also restart the pods, whose metrics then start afresh); a replica is removed only
 when KV usage stays far below the demand threshold, and never within two cooldowns of an added one;
 per-pod levers only move one way (they are never "relaxed" on idleness); a lever that was reverted
@@ -53,6 +57,7 @@ from kvpilot.operator.remediation.decision import (
     Decision,
 )
 from kvpilot.operator.remediation.metrics import ModelShape
+from kvpilot.operator.remediation.pods import RECENT_FAILURE_S
 from kvpilot.operator.remediation.window import MetricWindow
 
 # Step sizes. The memory fraction moves in steps of 0.05 (on an 80 GiB GPU: 4 GiB more KV cache);
@@ -63,6 +68,8 @@ SHRINK = 0.75
 SCALE_DOWN_DELAY_COOLDOWNS = 2
 # KVCachePressure stays True until the rate falls below this fraction of the threshold.
 PRESSURE_EXIT_RATIO = 0.5
+# A failure later than this after a change is not blamed on it.
+BLAME_S = RECENT_FAILURE_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +89,11 @@ def _fmt(value: float | None) -> str:
 
 def describe(window: MetricWindow, s: RemediationSettings) -> str:
     """The window's signals in one line (decision reasons start with it)."""
-    halves = ", ".join(f"{h.preemption_rate:.3g}" for h in window.halves)
+    rates = [i.preemption_rate for i in window.intervals]
+    lowest = f"lowest {min(rates):.3g} over {len(rates)} scrape intervals" if rates else "no intervals"
+    full = "" if window.full else ", window not full yet"
     return (
-        f"{window.preemption_rate:.3g} preemptions/s per replica (halves {halves}; threshold "
+        f"{window.preemption_rate:.3g} preemptions/s per replica ({lowest}{full}; threshold "
         f"{s.preemption_rate:g}), KV cache {window.kv_usage:.0%} (peak {window.kv_usage_max:.0%}), "
         f"{window.waiting:.1f} waiting and {window.running:.1f} running per replica, "
         f"{len(window.pods)} pod(s) over {window.covered_s:.0f}s"
@@ -92,24 +101,33 @@ def describe(window: MetricWindow, s: RemediationSettings) -> str:
 
 
 def is_storm(window: MetricWindow, s: RemediationSettings) -> bool:
-    """Preemptions above the threshold over the window and in each of its halves."""
+    """More than ``preemptionRate`` preemptions/s per replica in every scrape interval of a full window."""
     return (
-        window.preemption_rate > s.preemption_rate
-        and bool(window.halves)
-        and all(h.preemption_rate > s.preemption_rate for h in window.halves)
+        window.full
+        and bool(window.intervals)
+        and all(i.preemption_rate > s.preemption_rate for i in window.intervals)
     )
 
 
 def is_demand(window: MetricWindow, s: RemediationSettings) -> bool:
-    """KV cache full and requests queueing, in each half of the window."""
-    return bool(window.halves) and all(
-        h.kv_usage >= s.kv_usage_high and h.waiting >= s.waiting_high for h in window.halves
+    """KV usage >= ``kvCacheUsageHigh`` and >= ``requestsWaitingHigh`` waiting per replica at the end
+    of every scrape interval of a full window."""
+    return (
+        window.full
+        and bool(window.intervals)
+        and all(i.kv_usage >= s.kv_usage_high and i.waiting >= s.waiting_high for i in window.intervals)
     )
 
 
 def is_idle(window: MetricWindow, s: RemediationSettings) -> bool:
-    """No preemption, no queue, and KV usage below the idle threshold at every scrape."""
-    return window.num_preemptions == 0 and window.waiting_max == 0 and window.kv_usage_max < s.kv_usage_idle
+    """Over a full window: no preemption, no request waiting and KV usage below ``kvCacheUsageIdle``
+    at every scrape."""
+    return (
+        window.full
+        and window.num_preemptions == 0
+        and window.waiting_max == 0
+        and window.kv_usage_max < s.kv_usage_idle
+    )
 
 
 def _engine_value(effective: Effective, key: str, reported: int | None = None) -> Any:
@@ -239,21 +257,25 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
     history = sorted(history, key=lambda c: c.time, reverse=True)
     last = history[0] if history else None
 
-    # A change of ours whose pods fail is undone at once, cooldown or not.
+    # A change of ours whose pods fail after it is undone at once, cooldown or not.
     if window.failing and s.mode == AUTO and last is not None and last.lever != REVERT:
         current = effective.replicas if last.field == "replicas" else effective.engine.get(last.field)
+        # Kubernetes stamps pods to the second: a failure in the second of the change counts as after it.
+        since = math.floor(last.time)
+        blamed = [f for f in window.failing if f.time is not None and 0 <= f.time - since <= BLAME_S]
         if (
-            current is not None
+            blamed
+            and current is not None
             and float(current) == float(last.to)
             and last.generation == effective.generation
         ):
             reason = (
-                f"pods of the new configuration fail ({'; '.join(window.failing)}) since {last.lever} "
+                f"pods of the new configuration fail ({'; '.join(map(str, blamed))}) since {last.lever} "
                 f"set {last.field} {_fmt(last.from_)} → {_fmt(last.to)}: reverting"
             )
             return Decision(APPLY, reason, REVERT, last.field, last.to, last.from_)
-    if window.failing:
-        return Decision(NONE, "not acting: pods fail: " + "; ".join(window.failing))
+    if window.not_running:
+        return Decision(NONE, "not acting: pods fail: " + "; ".join(map(str, window.not_running)))
     if not window.is_complete:
         return Decision(NONE, "not acting on incomplete data: " + "; ".join(window.problems or ("no pods",)))
 

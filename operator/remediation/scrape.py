@@ -1,7 +1,9 @@
 """Reading the engines' ``/metrics``: concurrent HTTP scrapes with short timeouts, and recording them.
 
-``Scraper.scrape(targets)`` fetches every target at once (bounded concurrency), each within
-``timeout_s`` and ``max_bytes``; a target that fails yields an error string, never an exception.
+``Scraper.scrape(targets)`` fetches every target at once (at most ``concurrency`` in flight), each
+within ``timeout_s`` and ``max_bytes``; the whole body is read (a body that arrives in pieces is
+waited for, one shorter than its ``Content-Length`` is an error, never a shorter scrape). A target
+that fails yields an error string, never an exception.
 ``Recorder`` appends each scrape as one JSON line in the format ``kvpilot replay`` reads.
 """
 
@@ -19,7 +21,15 @@ import aiohttp
 from kvpilot.operator.api import names
 from kvpilot.operator.remediation.pods import Target
 
-MAX_BYTES = 8 << 20  # an engine's /metrics is ~20 KiB; anything near this is not an engine
+# An engine's /metrics is tens of KiB (vLLM with every histogram: ~25-60 KiB); anything near this is
+# not an engine, and the cap bounds what one tenant's pod can make the operator buffer and parse.
+MAX_BYTES = 1 << 20
+CONCURRENCY = 32
+CHUNK = 64 << 10
+
+
+class BodyError(Exception):
+    """A body that is too large or cut short; the message is the scrape's error."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +48,7 @@ class Scraper:
     def __init__(
         self,
         timeout_s: float = 3.0,
-        concurrency: int = 64,
+        concurrency: int = CONCURRENCY,
         max_bytes: int = MAX_BYTES,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -67,18 +77,32 @@ class Scraper:
         async with self._limit:
             try:
                 async with self._session.get(target.url, allow_redirects=False) as response:
-                    body = await response.content.read(self.max_bytes + 1)
                     if response.status != 200:
                         return Result(target, self.clock(), error=f"HTTP {response.status}")
-                    if len(body) > self.max_bytes:
-                        return Result(
-                            target, self.clock(), error=f"response larger than {self.max_bytes} bytes"
-                        )
+                    body = await self._read(response)
                     return Result(target, self.clock(), text=body.decode("utf-8", errors="replace"))
+            except BodyError as exc:
+                return Result(target, self.clock(), error=str(exc))
             except TimeoutError:
                 return Result(target, self.clock(), error=f"no answer within {self.timeout_s:g}s")
             except aiohttp.ClientError as exc:
                 return Result(target, self.clock(), error=f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+        """The whole body, up to ``max_bytes``; raises BodyError when it is larger or cut short."""
+        too_large = f"body too large: more than {self.max_bytes} bytes (the per-pod cap)"
+        expected = response.content_length
+        if expected is not None and expected > self.max_bytes:
+            raise BodyError(too_large)
+        chunks, size = [], 0
+        async for chunk in response.content.iter_chunked(CHUNK):
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise BodyError(too_large)
+            chunks.append(chunk)
+        if expected is not None and size != expected:
+            raise BodyError(f"body cut short: {size} of {expected} bytes")
+        return b"".join(chunks)
 
 
 class Recorder:

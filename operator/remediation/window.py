@@ -1,14 +1,16 @@
 """The window the remediation policy reads: every ready pod's series reduced to one
 :class:`MetricWindow` by :func:`summarize`.
 
-Pure: no I/O and no clock. "Sustained" means in both halves of the window, not just on average: a
-single burst of preemptions that averages above the threshold over the window does not count as a
-storm. That takes at least three scrapes per window (``MIN_SAMPLES``), spanning at least
-``MIN_COVERAGE`` of it with no gap between two of them longer than the staleness bound (an average
-across a hole in the data is not "sustained").
+Pure: no I/O and no clock. "Sustained" means at every scrape interval across the whole window, not on
+average: the window keeps each interval between two consecutive scrapes (``MetricWindow.intervals``:
+the preemption rate over it, the gauges at its end, per replica), and the policy's conditions must
+hold in every one. A window is ``full`` when every pod has a scrape at or before its start, so the
+intervals cover all of it: a storm shorter than the window never fills one. A window is complete (the
+policy may act on it) with at least three scrapes (``MIN_SAMPLES``) spanning at least
+``MIN_COVERAGE`` of it and no gap between two of them longer than the staleness bound.
 
-Nothing is inferred from data that is missing, stale, partial or unparsable: each such case becomes a
-line in ``MetricWindow.problems``, and the policy never acts on a window with problems.
+Nothing is inferred from data that is missing, stale, partial, invalid or unparsable: each such case
+becomes a line in ``MetricWindow.problems``, and the policy never acts on a window with problems.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 
 from kvpilot.operator.remediation.metrics import Capacity, ModelShape, capacity_of, shape_of
+from kvpilot.operator.remediation.pods import Failure
 from kvpilot.operator.remediation.series import PodSeries
 
 # A window is complete when its samples span at least this fraction of it.
@@ -25,8 +28,9 @@ MIN_SAMPLES = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class Half:
-    """One half of the window, per replica: preemption rate, mean KV usage and queue."""
+class Interval:
+    """One scrape interval of the window, per replica (mean over the pods): the preemption rate over
+    it, KV usage and queue at its end."""
 
     preemption_rate: float
     kv_usage: float
@@ -37,16 +41,17 @@ class Half:
 class MetricWindow:
     """The ready engine pods' metrics over the window ending at ``end`` (per replica: mean over pods).
 
-    ``problems`` lists why the data cannot be acted upon (empty: complete and fresh). ``failing``
-    names pods of the current configuration that crash, are OOM-killed or cannot be scheduled.
-    ``halves`` are the window's first and second half (the "sustained" test).
+    ``problems`` lists why the data cannot be acted upon (empty: complete and fresh). ``failing``:
+    the :class:`~kvpilot.operator.remediation.pods.Failure` of pods of the current configuration that
+    crash, were OOM-killed or cannot be scheduled. ``intervals``: the scrape intervals, oldest first
+    (the "sustained" test); ``full``: they cover the whole window for every pod.
     """
 
     end: float
     window_s: float
     pods: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
-    failing: tuple[str, ...] = ()
+    failing: tuple[Failure, ...] = ()
     start: float | None = None
     preemption_rate: float = 0.0
     num_preemptions: float = 0.0
@@ -55,10 +60,16 @@ class MetricWindow:
     waiting: float = 0.0
     waiting_max: float = 0.0
     running: float = 0.0
-    halves: tuple[Half, ...] = ()
+    intervals: tuple[Interval, ...] = ()
+    full: bool = False
     counter_resets: int = 0
     capacity: Capacity | None = None
     shape: ModelShape | None = None
+
+    @property
+    def not_running(self) -> tuple[Failure, ...]:
+        """The failing pods that do not serve (a ready pod with a recent OOM kill serves)."""
+        return tuple(f for f in self.failing if not f.ready)
 
     @property
     def is_complete(self) -> bool:
@@ -79,8 +90,8 @@ class _PodWindow:
     kv: list[tuple[float, float]]  # (time, value)
     waiting: list[tuple[float, float]]
     running: list[float]
-    half_increase: tuple[float, float]
-    mid: float
+    intervals: list[Interval]  # oldest first
+    full: bool  # a scrape at or before the window start: the intervals cover the whole window
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -107,8 +118,14 @@ def _pod_window(series: PodSeries, now: float, window_s: float, max_gap_s: float
     gap = max(b.scrape.time - a.scrape.time for a, b in zip(used, used[1:], strict=False))
     if gap > max_gap_s:
         return f"a gap of {gap:.0f}s between scrapes in the window (more than {max_gap_s:.0f}s)"
-    mid = (first.scrape.time + last.scrape.time) / 2
-    at_mid = max((p for p in used if p.scrape.time <= mid), key=lambda p: p.scrape.time)
+    intervals = [
+        Interval(
+            preemption_rate=(b.preemptions - a.preemptions) / max(b.scrape.time - a.scrape.time, 1e-9),
+            kv_usage=b.scrape.kv_usage or 0.0,
+            waiting=b.scrape.waiting or 0.0,
+        )
+        for a, b in zip(used, used[1:], strict=False)
+    ]
     return _PodWindow(
         name=series.name,
         start=first.scrape.time,
@@ -117,8 +134,8 @@ def _pod_window(series: PodSeries, now: float, window_s: float, max_gap_s: float
         kv=[(p.scrape.time, p.scrape.kv_usage or 0.0) for p in inside],
         waiting=[(p.scrape.time, p.scrape.waiting or 0.0) for p in inside],
         running=[p.scrape.running or 0.0 for p in inside],
-        half_increase=(at_mid.preemptions - first.preemptions, last.preemptions - at_mid.preemptions),
-        mid=at_mid.scrape.time,
+        intervals=intervals,
+        full=first.scrape.time <= begin,
     )
 
 
@@ -130,16 +147,17 @@ def summarize(
     stale_after_s: float,
     expected_replicas: int | None = None,
     problems: Iterable[str] = (),
-    failing: Iterable[str] = (),
+    failing: Iterable[Failure | str] = (),
 ) -> MetricWindow:
     """Reduce the series of the pods that should report (``series``: pod name -> series) to a window.
 
     ``expected_replicas``: how many ready pods of the current configuration there should be (None:
     whoever is in ``series``, as in a replay). ``problems`` / ``failing``: what the caller found
-    already (pods not ready, pods on an outdated configuration, crashing pods).
+    already (pods not ready, pods on an outdated configuration, crashing pods; a ``"pod: why"`` string
+    is a failure of unknown time).
     """
     found = list(problems)
-    failing = tuple(failing)
+    failing = tuple(f if isinstance(f, Failure) else Failure(*str(f).partition(": ")[::2]) for f in failing)
     if expected_replicas is not None and len(series) != expected_replicas:
         found.append(f"{len(series)} of {expected_replicas} replica(s) ready on the current configuration")
     if not series and expected_replicas is None:
@@ -151,6 +169,9 @@ def summarize(
     for name in sorted(series):
         pod = series[name]
         last = pod.last
+        if pod.problem is not None:
+            found.append(f"pod {name}: bad data in the latest scrape: {pod.problem}")
+            continue
         if last is None or now - last.time > stale_after_s:
             age = "never scraped" if last is None else f"last complete scrape {now - last.time:.0f}s ago"
             error = f" ({pod.last_error})" if pod.last_error else ""
@@ -173,17 +194,17 @@ def summarize(
             end=now, window_s=window_s, problems=tuple(found) or ("no data",), failing=failing
         )
     start, end = min(w.start for w in windows), max(w.end for w in windows)
-    halves = []
-    for index in (0, 1):
-        rates, kv, waiting = [], [], []
-        for w in windows:
-            lo, hi = (w.start, w.mid) if index == 0 else (w.mid, w.end)
-            rates.append(w.half_increase[index] / max(hi - lo, 1e-9))
-            pick = [(t, v) for t, v in w.kv if (t <= w.mid) == (index == 0)] or w.kv
-            kv.append(_mean(v for _, v in pick))
-            pick = [(t, v) for t, v in w.waiting if (t <= w.mid) == (index == 0)] or w.waiting
-            waiting.append(_mean(v for _, v in pick))
-        halves.append(Half(preemption_rate=_mean(rates), kv_usage=_mean(kv), waiting=_mean(waiting)))
+    # Pods are scraped together, once per tick: their k-th interval from the newest covers the same time.
+    intervals = []
+    for back in range(1, max(len(w.intervals) for w in windows) + 1):
+        same = [w.intervals[-back] for w in windows if len(w.intervals) >= back]
+        intervals.append(
+            Interval(
+                preemption_rate=_mean(i.preemption_rate for i in same),
+                kv_usage=_mean(i.kv_usage for i in same),
+                waiting=_mean(i.waiting for i in same),
+            )
+        )
     return MetricWindow(
         end=end,
         window_s=window_s,
@@ -198,7 +219,8 @@ def summarize(
         waiting=_mean(_mean(v for _, v in w.waiting) for w in windows),
         waiting_max=max(v for w in windows for _, v in w.waiting),
         running=_mean(_mean(w.running) for w in windows),
-        halves=tuple(halves),
+        intervals=tuple(reversed(intervals)),
+        full=all(w.full for w in windows),
         counter_resets=resets,
         capacity=capacity,
         shape=shape,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -140,3 +141,38 @@ def test_group_returns_intents_instead_of_driving_the_scheduler():
     assert (intents[0].parent_req_id, intents[0].child.output_token_ids) == ("g#b0", [7, 12])
     assert intents[1] == Finish("g#b1", RequestStatus.FINISHED_ABORTED)
     assert intents[2] == Resume("g#b0") and group.req_ids == ["g#b0", "g#b2"]
+
+
+def test_discarded_beams_are_freed_at_once(tiny_llama):
+    """After every step the search holds at most ``beam_width`` live beams and ``beam_width`` finished
+    hypotheses: a discarded beam (its Request, its token lists, its blocks) is gone at once."""
+    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    width, max_tokens = 4, 24
+    prompt = [random.Random(5).randrange(5, 1000) for _ in range(40)]  # longer than any output
+    engine.add_beam_search_request("beam", prompt, BeamSearchParams(width, max_tokens, ignore_eos=True))
+    group = engine.output_processor._states["beam"]
+    num_steps = 0
+    # Freed by reference counting, not left to the cycle collector: with it off, nothing may linger.
+    gc.collect()
+    gc.disable()
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            num_steps += 1
+            num_alive = sum(type(o) is Request and o.client_request_id == "beam" for o in gc.get_objects())
+            assert num_alive <= width, (num_steps, num_alive)
+            assert len(group.state.finished) <= width
+            # A beam's own lists are its generated tokens: the prompt is one list, shared by all.
+            shared = group.prompt_token_ids
+            assert all(b.prompt_token_ids is shared for b in group.beams)
+            long_lists = [v for b in group.beams for v in vars(b).values() if isinstance(v, list)]
+            assert all(v is shared for v in long_lists if len(v) >= len(prompt))
+            del long_lists  # the next step's count must not see this step's beams through it
+            beam_ids = {b.req_id for b in group.beams} if engine.has_unfinished_requests() else set()
+            held = {rid for rid in engine.block_manager.block_tables if rid.startswith("beam#")}
+            assert held <= beam_ids
+    finally:
+        gc.enable()
+    assert num_steps >= max_tokens
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

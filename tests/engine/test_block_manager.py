@@ -469,7 +469,6 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
             elif op == "fork" and req.req_id not in planned:
                 child = make_request(req.prompt_token_ids, req_id=f"q{i}")
                 child.output_token_ids = list(req.output_token_ids)
-                child.all_token_ids = list(req.all_token_ids)
                 child.num_computed_tokens = req.num_computed_tokens
                 bm.fork(req, child)
                 live.append(child)

@@ -628,7 +628,12 @@ def drive(
                 finished_at[upd.request.req_id] = now
         check_blocks(sched)
         stats = sched.stats()
-        assert (stats.num_running, stats.num_waiting) == (len(sched.running), len(sched.waiting))
+        # Waiting counts sequences: the siblings waiting to fork from a parent too.
+        num_fork_pending = sum(r.status == RequestStatus.FORK_PENDING for r in sched.requests.values())
+        assert (stats.num_running, stats.num_waiting) == (
+            len(sched.running),
+            len(sched.waiting) + num_fork_pending,
+        )
         assert stats.num_swapped == len(sched.swapped)
         assert stats.kv_cache_usage == pytest.approx(1 - bm.num_free_blocks / bm.num_blocks)
         assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries

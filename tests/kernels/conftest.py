@@ -22,6 +22,9 @@ DEVICE = os.environ.get("KVPILOT_TEST_DEVICE") or ("cuda" if torch.cuda.is_avail
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+# (num_heads, num_kv_heads) layouts the attention kernels are tested on.
+HEADS = {"mha": (4, 4), "gqa3": (12, 4), "gqa4": (8, 2), "gqa8": (16, 2), "mqa": (6, 1)}
+
 # Attention outputs are O(1). 16-bit formats: two units of their epsilon (9.8e-4, 7.8e-3), since both
 # sides round the output and may round P once more (observed: under a third of that). fp32: summation
 # order only (observed ~1e-6).
@@ -226,6 +229,18 @@ def require_modules(*names: str) -> None:
     missing = [n for n in names if importlib.util.find_spec(n) is None]
     if missing:
         pytest.skip(f"needs {', '.join(missing)}")
+
+
+def require_cpu_kernel() -> None:
+    """Skip unless the ``cpu`` backend's C++ kernel is built; under ``KVPILOT_REQUIRE_TOOLS=1``
+    (``make test``) a failed build fails the test instead."""
+    from kvpilot.kernels import cpu_ops
+
+    if not cpu_ops.is_available():
+        reason = "the CPU attention kernel could not be built (see the kvpilot.kernels log line)"
+        if os.environ.get("KVPILOT_REQUIRE_TOOLS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 def load_triton_ops() -> ModuleType:

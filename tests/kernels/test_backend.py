@@ -8,13 +8,17 @@ import textwrap
 
 import pytest
 
-from kvpilot.kernels import get_backend, resolve_backend_name, torch_ops
+from kvpilot.kernels import cpu_ops, get_backend, resolve_backend_name, torch_ops
+
+# ``auto`` on CPU: the C++ kernel when it is built, else the torch path.
+AUTO_ON_CPU = "cpu" if cpu_ops.is_available() else "torch"
 
 
 def test_explicit_names_and_auto_on_cpu():
     assert resolve_backend_name("torch", "cuda") == "torch"
     assert resolve_backend_name("triton", "cpu") == "triton"
-    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("cpu", "cpu") == "cpu"
+    assert resolve_backend_name("auto", "cpu") == AUTO_ON_CPU
     backend = get_backend("torch", "cpu")
     assert backend.name == "torch" and backend.paged_attention is torch_ops.paged_attention
 
@@ -23,13 +27,45 @@ def test_the_name_given_is_the_one_source(monkeypatch):
     """The ``attention_backend`` engine argument decides; the environment variable that once overrode
     ``auto`` does nothing."""
     monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "triton")
-    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cpu") == AUTO_ON_CPU
     assert resolve_backend_name("triton", "cpu") == "triton"
 
 
 def test_unknown_name_is_rejected():
-    with pytest.raises(ValueError, match="auto, torch, triton"):
+    with pytest.raises(ValueError, match="auto, torch, triton, cpu"):
         resolve_backend_name("flash", "cpu")
+    with pytest.raises(ValueError, match="CPU devices only"):
+        resolve_backend_name("cpu", "cuda")
+
+
+def test_failed_build_falls_back_to_torch(tmp_path):
+    """With no compiler the build fails: one warning line, and ``auto`` and ``cpu`` both give the
+    torch path; nothing raises."""
+    script = textwrap.dedent(
+        """
+        import logging, os
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+        from kvpilot.kernels import get_backend, resolve_backend_name, torch_ops
+
+        assert resolve_backend_name("auto", "cpu") == "torch"
+        backend = get_backend("cpu", "cpu")
+        assert backend.name == "torch" and backend.paged_attention is torch_ops.paged_attention
+        print("ok")
+        """
+    )
+    env = {
+        "PATH": str(tmp_path),  # no compiler, no ninja
+        "HOME": str(tmp_path),
+        "KVPILOT_KERNEL_CACHE": str(tmp_path / "cache"),
+        "CXX": str(tmp_path / "missing-c++"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING kvpilot.kernels")]
+    assert len(warnings) == 1 and "using the torch path" in warnings[0], proc.stderr[-3000:]
 
 
 def test_torch_path_works_without_triton(tmp_path):

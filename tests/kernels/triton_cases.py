@@ -21,14 +21,13 @@ from .conftest import (
     DEVICE,
     DTYPES,
     GARBAGE_K,
+    HEADS,
     assert_close,
     batch_spans,
     make_paged_batch,
     naive_attention,
     pairwise,
 )
-
-HEADS = {"mha": (4, 4), "gqa3": (12, 4), "gqa4": (8, 2), "gqa8": (16, 2), "mqa": (6, 1)}
 
 ATTENTION_CASES = pairwise(
     {

@@ -158,3 +158,24 @@ def test_every_value_is_documented():
         if not documented:
             undocumented.append(key)
     assert undocumented == []
+
+
+def test_engine_default_image_and_allowlists_reach_the_operator():
+    def env_of(*extra: str) -> dict[str, str]:
+        (deployment,) = by_kind(render(*extra))["Deployment"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return {item["name"]: item["value"] for item in container.get("env") or []}
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert env_of() == {"KVPILOT_DEFAULT_IMAGE": f"ghcr.io/kvpilot/engine:{chart['appVersion']}"}
+    custom = env_of(
+        "--set", "engine.image.repository=mirror.corp/kvpilot/engine",
+        "--set-string", "engine.image.tag=7",
+        "--set", "engine.allowedRegistries={mirror.corp,nvcr.io}",
+        "--set", "engine.allowedServiceAccounts={llm}",
+    )  # fmt: skip
+    assert custom == {
+        "KVPILOT_DEFAULT_IMAGE": "mirror.corp/kvpilot/engine:7",
+        "KVPILOT_ALLOWED_REGISTRIES": "mirror.corp,nvcr.io",
+        "KVPILOT_ALLOWED_SERVICE_ACCOUNTS": "llm",
+    }

@@ -11,9 +11,10 @@ import pytest
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.remediation.decision import Change, Decision
 from kvpilot.operator.remediation.metrics import Capacity, ModelShape, parse_scrape
+from kvpilot.operator.remediation.pods import Failure
 from kvpilot.operator.remediation.policy import decide
 from kvpilot.operator.remediation.series import PodSeries
-from kvpilot.operator.remediation.window import Half, MetricWindow, summarize
+from kvpilot.operator.remediation.window import Interval, MetricWindow, summarize
 from tests.operator.engine_metrics import EngineMetrics
 
 NOW = 1_750_000_000.0
@@ -74,25 +75,27 @@ def window(
     kv: float = 0.5,
     waiting: float = 0.0,
     running: float = 40.0,
-    halves: tuple[float, float] | None = None,
+    intervals: tuple[float, ...] | None = None,
     pods: int = 2,
     **fields: Any,
 ) -> MetricWindow:
-    """A complete window whose halves both show ``rate``/``kv``/``waiting`` unless ``halves`` (rates)."""
-    rates = halves or (rate, rate)
+    """A complete, full window whose 8 scrape intervals all show ``rate``/``kv``/``waiting`` unless
+    ``intervals`` (their rates)."""
+    rates = intervals or (rate,) * 8
     values = dict(
         end=NOW,
         window_s=WINDOW_S,
         pods=tuple(f"llama-{i}" for i in range(pods)),
         start=NOW - WINDOW_S,
-        preemption_rate=sum(rates) / 2,
-        num_preemptions=sum(rates) / 2 * WINDOW_S * pods,
+        preemption_rate=sum(rates) / len(rates),
+        num_preemptions=sum(rates) / len(rates) * WINDOW_S * pods,
         kv_usage=kv,
         kv_usage_max=kv,
         waiting=waiting,
         waiting_max=waiting,
         running=running,
-        halves=tuple(Half(r, kv, waiting) for r in rates),
+        intervals=tuple(Interval(r, kv, waiting) for r in rates),
+        full=True,
         capacity=Capacity(num_gpu_blocks=2048, block_size=16, max_model_len=4096),
         shape=SHAPE,
     )
@@ -208,7 +211,15 @@ CASES = [
     Case("no scale-down within two cooldowns of a scale-up", IDLE, isvc(replicas=3),
          history=[change(900, "addReplica", "replicas", 2, 3)], reason="a replica was added 900s ago"),
     # --- hysteresis: bursts, cooldown, fresh windows
-    Case("a burst in one half is not a storm", window(halves=(1.0, 0.0)), reason="stable"),
+    Case("a burst in one half is not a storm", window(intervals=(2.0,) * 4 + (0.0,) * 4), reason="stable"),
+    Case("a storm in all intervals but one is not sustained", window(intervals=(0.0,) + (1.0,) * 7),
+         reason="stable"),
+    Case("a storm that has not lasted a full window is not one", window(rate=1.0, full=False),
+         reason="stable"),
+    Case("demand that has not lasted a full window adds nothing",
+         window(kv=0.95, waiting=12, full=False), reason="stable"),
+    Case("idleness that has not lasted a full window removes nothing", window(kv=0.1, running=2, full=False),
+         reason="stable"),
     Case("a rate exactly at the threshold is not a storm", window(rate=0.05), reason="stable"),
     Case("cooldown holds the next step and names it", STORM,
          history=[change(100, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.85, 0.9)],
@@ -239,16 +250,48 @@ CASES = [
          isvc(overrides={"gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9}}),
          action="apply", field="maxNumSeqs", from_=64),
     Case("pods failing after our change: revert at once, cooldown or not",
-         dataclasses.replace(STORM, failing=("llama-7f-x: OOMKilled (2 restart(s))",)),
+         dataclasses.replace(STORM, failing=(Failure("llama-7f-x", "OOMKilled (2 restart(s))", NOW - 10),)),
          isvc(overrides={"gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9}}),
          history=[change(30, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.9, 0.95)],
          action="apply", lever="revert", field="gpuMemoryUtilization", from_=0.95, to=0.9,
          reason="OOMKilled"),
     Case("failing pods the user's own edit started: not ours to revert",
-         dataclasses.replace(STORM, failing=("llama-7f-x: CrashLoopBackOff",)),
+         dataclasses.replace(STORM, failing=(Failure("llama-7f-x", "CrashLoopBackOff", NOW - 10),)),
          isvc({"gpuMemoryUtilization": 0.8}),
          history=[change(30, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.9, 0.95)],
          reason="not acting: pods fail"),
+    Case("a pod stamped in the second of our change (timestamps are whole seconds) is blamed",
+         dataclasses.replace(STORM, failing=(Failure("llama-7f-x", "CrashLoopBackOff", NOW - 30),)),
+         isvc(overrides={"gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9}}),
+         history=[change(29.6, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.9, 0.95)],
+         action="apply", lever="revert"),
+    Case("a failure from before our change is not blamed on it",
+         dataclasses.replace(STORM, failing=(Failure("llama-7f-x", "CrashLoopBackOff", NOW - 60),)),
+         isvc(overrides={"gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9}}),
+         history=[change(30, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.9, 0.95)],
+         reason="not acting: pods fail"),
+    Case("a failure long after an old change is not blamed on it (a week-old addReplica stays)",
+         dataclasses.replace(STORM, failing=(Failure("llama-7f-x", "CrashLoopBackOff", NOW - 10),)),
+         isvc(overrides={"replicas": {"value": 3, "specValue": 2}}),
+         history=[change(7 * 86400, "addReplica", "replicas", 2, 3)],
+         reason="not acting: pods fail"),
+    Case("a failure of unknown time is not blamed",
+         dataclasses.replace(STORM, failing=(Failure("llama-7f-x", "CrashLoopBackOff"),)),
+         isvc(overrides={"gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9}}),
+         history=[change(30, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.9, 0.95)],
+         reason="not acting: pods fail"),
+    Case("a ready pod with an old OOM kill does not block: it serves and is judged by its metrics",
+         dataclasses.replace(STORM, failing=(Failure("llama-7f-x", "OOMKilled (1 restart(s))", NOW - 900,
+                                                     ready=True),)),
+         isvc(overrides={"replicas": {"value": 3, "specValue": 2}}),
+         history=[change(7 * 86400, "addReplica", "replicas", 2, 3)],
+         action="apply", field="gpuMemoryUtilization"),
+    Case("a ready pod OOM-killed after our change: revert",
+         dataclasses.replace(STORM, failing=(Failure("llama-7f-x", "OOMKilled (1 restart(s))", NOW - 10,
+                                                     ready=True),)),
+         isvc(overrides={"gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9}}),
+         history=[change(30, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.9, 0.95)],
+         action="apply", lever="revert", field="gpuMemoryUtilization", to=0.9),
     Case("a reverted lever stays put: the ladder moves on", STORM,
          history=[change(700, "revert", "gpuMemoryUtilization", 0.95, 0.9),
                   change(800, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.9, 0.95)],
@@ -364,8 +407,8 @@ def test_flapping_windows_change_at_most_once_per_cooldown_and_never_reverse_qui
         assert (j - i) * 60 >= COOLDOWN_S
         if a == "addReplica" and b == "removeReplica":
             assert (j - i) * 60 >= 2 * COOLDOWN_S
-    # Windows whose halves disagree (storm, then calm) never act.
-    assert all(d.action == "none" for d in simulate([window(halves=(0.5, 0.0))] * 30, isvc()))
+    # Windows whose intervals disagree (storm, then calm) never act.
+    assert all(d.action == "none" for d in simulate([window(intervals=(0.5, 0.0) * 4)] * 30, isvc()))
 
 
 def test_a_steady_storm_walks_the_ladder_one_step_per_cooldown():

@@ -14,7 +14,7 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.rest import ApiError, object_path
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.kube import KubeClient
-from kvpilot.operator.reconcile.reconciler import reconcile
+from kvpilot.operator.reconcile.reconciler import drifted, reconcile
 from tests.operator.conftest import BASE_ISVC
 
 NS = "direct"
@@ -118,3 +118,26 @@ def test_stale_status_write_is_refused(api):
     outcome, _ = reconcile_once(api, "stale")
     assert outcome.status_written is True
     assert fresh(api, "stale")["status"]["signals"] == {"kvCacheUsage": 0.5}, "foreign status fields survive"
+
+
+def pod_template(image: str = "a", args: tuple = ("--p",), replicas=2, **extra) -> dict:
+    container = {"image": image, "args": list(args), "resources": {"limits": {"cpu": "0.5"}}, **extra}
+    spec = {"replicas": replicas, "template": {"c": [container]}}
+    return {"spec": {key: value for key, value in spec.items() if value is not None}}
+
+
+@pytest.mark.parametrize(
+    ("live", "where"),
+    [
+        (pod_template(terminationMessagePath="/dev/termination-log"), None),  # server defaults: not drift
+        (pod_template(image="b"), "spec.template.c[0].image"),
+        (pod_template(args=("--p", "--q")), "spec.template.c[0].args"),
+        (pod_template(replicas=3), "spec.replicas"),
+        (pod_template(replicas=None), "spec.replicas"),
+        (pod_template(resources={"limits": {"cpu": "500m"}}), None),  # the same quantity, canonical form
+        (pod_template(resources={"limits": {"cpu": "1"}}), "spec.template.c[0].resources.limits.cpu"),
+    ],
+)
+def test_drifted_names_the_first_rendered_field_that_differs(live, where):
+    assert drifted(pod_template(), live) == where
+    assert drifted({"on": True}, {"on": 1}) == "on"

@@ -109,7 +109,7 @@ class Cluster:
                 "containers": [
                     {
                         "name": names.ENGINE_CONTAINER,
-                        "image": "engine:1",
+                        "image": deployment["spec"]["template"]["spec"]["containers"][0]["image"],
                         "ports": [{"name": names.HTTP_PORT_NAME, "containerPort": engine.port}],
                     }
                 ]

@@ -12,7 +12,15 @@ from kvpilot.operator.api.patch import merge_patch
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.timefmt import format_time
 from kvpilot.operator.remediation.evaluate import SIGNALS_REFRESH_S, evaluate
-from kvpilot.operator.remediation.pods import UNSCHEDULABLE_GRACE_S, classify, metrics_url, pod_failure
+from kvpilot.operator.remediation.pods import (
+    RECENT_FAILURE_S,
+    UNSCHEDULABLE_GRACE_S,
+    Failure,
+    classify,
+    failure_time,
+    metrics_url,
+    pod_failure,
+)
 from kvpilot.operator.remediation.window import MetricWindow
 from tests.operator.crd_schema import schema_errors
 from tests.operator.test_policy import DEMAND, IDLE, NOW, STORM, isvc, window
@@ -130,7 +138,9 @@ def test_a_spec_edit_drops_the_stale_override_and_the_user_wins():
 
 def test_a_revert_to_the_spec_value_removes_the_override():
     _, _, obj = run(isvc(), STORM)
-    failing = dataclasses.replace(STORM, failing=("llama-x: CrashLoopBackOff (last exit: OOMKilled)",))
+    failing = dataclasses.replace(
+        STORM, failing=(Failure("llama-x", "CrashLoopBackOff (last exit: OOMKilled)", NOW + 15),)
+    )
     decision, update, obj = run(obj, failing, NOW + 20)
     assert (decision.lever, decision.to) == ("revert", 0.9)
     assert update.patch["effective"]["overrides"] == {"gpuMemoryUtilization": None}
@@ -221,11 +231,25 @@ def test_pods_are_classified_by_template_readiness_and_health():
     assert result.targets[0].url == "http://10.0.0.7:8123/metrics"
     assert result.targets[0].key == "llm/a/uid-a"
     assert result.outdated == ("b",) and result.waiting == ("c",)
-    assert result.failing == ("d: CrashLoopBackOff (last exit: OOMKilled)",)
+    assert [str(f) for f in result.failing] == ["d: CrashLoopBackOff (last exit: OOMKilled)"]
     assert result.problems() == [
         "pod(s) not ready: c",
         "rollout in progress: 1 pod(s) on the previous configuration",
     ]
+
+
+def test_a_pod_whose_engine_container_was_edited_by_hand_is_outdated():
+    template = {
+        "spec": {
+            "containers": [{"name": "engine", "image": "engine:1", "env": [{"name": "A", "value": "1"}]}]
+        }
+    }
+    same, edited, silent = pod("same"), pod("edited"), pod("silent")
+    same["spec"]["containers"][0].update(image="engine:1", env=[{"name": "A", "value": "1"}])
+    edited["spec"]["containers"][0].update(image="someone/else:latest", env=[{"name": "A", "value": "1"}])
+    result = classify([same, edited, silent], "abc", NOW, template)
+    assert [t.name for t in result.targets] == ["same", "silent"] and result.outdated == ("edited",)
+    assert [t.name for t in classify([edited], "abc", NOW).targets] == ["edited"]  # no template: not checked
 
 
 @pytest.mark.parametrize(
@@ -259,6 +283,47 @@ def test_pod_failure(status, failure):
     assert pod_failure(obj, NOW) == failure
 
 
+def oom_killed(ago: float, *, ready: bool) -> dict:
+    obj = pod("x", ready=ready)
+    obj["metadata"]["creationTimestamp"] = format_time(NOW - 7 * 86400)
+    obj["status"]["containerStatuses"] = [
+        {
+            "name": "engine",
+            "state": {"running": {}},
+            "restartCount": 1,
+            "lastState": {"terminated": {"reason": "OOMKilled", "finishedAt": format_time(NOW - ago)}},
+        }
+    ]
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("ago", "ready", "targets", "failing", "waiting"),
+    [
+        (7 * 86400, True, ["x"], [], []),  # a week-old OOM kill: a healthy, scraped pod
+        (7 * 86400, False, [], [], ["x"]),  # ... and when not ready, just starting
+        (60, True, ["x"], [("x", NOW - 60, True)], []),  # recent: scraped, and remembered for blame
+        (60, False, [], [("x", NOW - 60, False)], []),
+        (RECENT_FAILURE_S + 1, True, ["x"], [], []),
+    ],
+)
+def test_an_oom_kill_counts_only_while_recent_and_a_ready_pod_is_scraped(
+    ago, ready, targets, failing, waiting
+):
+    result = classify([oom_killed(ago, ready=ready)], "abc", NOW)
+    assert [t.name for t in result.targets] == targets
+    assert [(f.pod, f.time, f.ready) for f in result.failing] == failing
+    assert list(result.waiting) == waiting
+
+
+def test_failure_time_is_the_termination_else_the_pod_creation():
+    assert failure_time(oom_killed(60, ready=True)) == NOW - 60
+    image = pod("y", ready=False, **crashing("ImagePullBackOff"))
+    assert failure_time(image) is None
+    image["metadata"]["creationTimestamp"] = format_time(NOW - 5)
+    assert failure_time(image) == NOW - 5
+
+
 def test_metrics_url_defaults_and_ipv6():
     obj = pod("x")
     obj["spec"]["containers"][0]["ports"] = []
@@ -266,3 +331,15 @@ def test_metrics_url_defaults_and_ipv6():
     assert metrics_url(obj) == f"http://[fd00::7]:{names.HTTP_PORT}/metrics"
     del obj["status"]["podIP"]
     assert metrics_url(obj) is None
+
+
+def test_bad_data_is_named_in_signals_and_the_condition_and_nothing_is_done(crd_schema):
+    why = "pod llama-0: bad data in the latest scrape: invalid samples: vllm:num_preemptions_total=-1"
+    decision, update, obj = run(isvc(), dataclasses.replace(STORM, problems=(why,)))
+    assert decision.action == "none" and decision.reason == f"not acting on incomplete data: {why}"
+    assert status_of(obj)["signals"]["notActing"] == why
+    pressure = cond(obj, "KVCachePressure")
+    assert (pressure["status"], pressure["message"]) == ("Unknown", why)
+    assert schema_errors({**obj, "status": status_of(obj)}, crd_schema) == []
+    _, update, obj = run(obj, dataclasses.replace(STORM, end=NOW + 15), NOW + 15)
+    assert "notActing" not in status_of(obj)["signals"]  # complete again: the reason goes

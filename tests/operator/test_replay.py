@@ -149,7 +149,7 @@ def test_invalid_manifest_fails(files, capsys):
     manifest, samples = files(storm_then_calm(60, 0))
     manifest.write_text(manifest.read_text().replace("engine:1", "''"))
     code, _, err = run_cli(capsys, "-f", str(manifest), "--metrics", str(samples))
-    assert code == 1 and "spec.image is required" in err
+    assert code == 1 and "spec.image must name the engine image" in err
 
 
 def test_the_operators_recording_replays(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -97,6 +98,80 @@ def test_failures_are_reported_per_target_within_the_timeout(servers):
     assert errors["good"] is None
     assert errors["slow"] == "no answer within 0.5s"
     assert errors["broken"] == "HTTP 500"
-    assert errors["huge"] == "response larger than 4096 bytes"
+    assert errors["huge"] == "body too large: more than 4096 bytes (the per-pod cap)"
     assert errors["refused"].startswith("ClientConnectorError")
     assert elapsed < 1.5
+
+
+class PiecesServer:
+    """Writes ``body`` in ``pieces`` raw TCP writes, ``pause`` seconds apart; ``length`` (default: the
+    body's) as Content-Length, or none at all (the body ends with the connection)."""
+
+    def __init__(self, body: bytes, pieces: int, pause: float, length: int | None | str = "auto") -> None:
+        self.body, self.pieces, self.pause = body, pieces, pause
+        self.length = len(body) if length == "auto" else length
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):  # the client may hang up first (a refused body)
+                conn.recv(65536)
+                head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+                if self.length is not None:
+                    head += f"Content-Length: {self.length}\r\n"
+                conn.sendall((head + "\r\n").encode())
+                step = -(-len(self.body) // self.pieces)
+                for start in range(0, len(self.body), step):
+                    conn.sendall(self.body[start : start + step])
+                    time.sleep(self.pause)
+
+    def target(self) -> Target:
+        return Target("ns", "pieces", "u", f"http://127.0.0.1:{self.sock.getsockname()[1]}/metrics")
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+def engine_body(size: int) -> bytes:
+    """An engine exposition padded with comment lines to about ``size`` bytes, info metrics last."""
+    text = EngineMetrics().text()
+    pad = "".join(f"# padding line {i:06d}\n" for i in range(max(0, size - len(text)) // 22))
+    return (pad + text).encode()
+
+
+@pytest.mark.parametrize("length", ["auto", None])
+def test_a_body_written_in_slow_pieces_is_read_to_the_end(length):
+    body = engine_body(24_806)
+    server = PiecesServer(body, pieces=2, pause=0.2, length=length)
+    try:
+        (result,), _ = scrape([server.target()], timeout_s=3.0)
+    finally:
+        server.stop()
+    assert result.error is None and result.text == body.decode()
+    assert result.text.rstrip().endswith("1.0")  # the info metrics, which come last, arrived
+
+
+def test_a_body_shorter_than_its_length_is_an_error_not_a_short_scrape():
+    body = engine_body(5_000)
+    server = PiecesServer(body, pieces=2, pause=0.05, length=len(body) + 100)
+    try:
+        (result,), _ = scrape([server.target()], timeout_s=3.0)
+    finally:
+        server.stop()
+    assert result.text is None and result.error
+
+
+def test_a_body_without_length_over_the_cap_is_refused():
+    server = PiecesServer(b"#" * 20_000, pieces=4, pause=0.01, length=None)
+    try:
+        (result,), _ = scrape([server.target()], timeout_s=3.0, max_bytes=8_192)
+    finally:
+        server.stop()
+    assert result.error == "body too large: more than 8192 bytes (the per-pod cap)"

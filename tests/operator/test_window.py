@@ -101,14 +101,38 @@ def test_reset_is_seen_from_created_even_when_the_new_count_is_higher():
     assert window.counter_resets == 1
 
 
-def test_halves_separate_a_burst_from_a_sustained_rate():
+def test_intervals_separate_a_burst_from_a_sustained_rate():
     sustained, _ = series_of([(t, 5) for t in range(0, 130, 10)])
     burst, _ = series_of([(t, 60 if t == 20 else 0) for t in range(0, 130, 10)])
     a = summarize({"p": sustained}, now=T0 + 120, window_s=120, stale_after_s=45)
     b = summarize({"p": burst}, now=T0 + 120, window_s=120, stale_after_s=45)
     assert a.preemption_rate == pytest.approx(0.5) and b.preemption_rate == pytest.approx(0.5)
-    assert [h.preemption_rate for h in a.halves] == pytest.approx([0.5, 0.5])
-    assert [h.preemption_rate for h in b.halves] == pytest.approx([1.0, 0.0])
+    assert [i.preemption_rate for i in a.intervals] == pytest.approx([0.5] * 12)
+    assert [i.preemption_rate for i in b.intervals] == pytest.approx([0, 6.0] + [0] * 10)
+    assert a.full and b.full
+
+
+@pytest.mark.parametrize(
+    ("storm_s", "now", "full", "lowest"),
+    [
+        (75, 120, True, 0.0),  # a storm 75 s old in a 120 s window: the older intervals are calm
+        (120, 120, True, 0.5),  # it has lasted the window: every interval storms
+        (200, 110, False, 0.5),  # the pod is younger than the window: not full (yet)
+    ],
+)
+def test_every_interval_of_a_full_window_is_judged(storm_s, now, full, lowest):
+    start = 120 - storm_s
+    series, _ = series_of([(t, 5 if t > start else 0) for t in range(0, now + 1, 10)])
+    window = summarize({"p": series}, now=T0 + now, window_s=120, stale_after_s=45)
+    assert window.is_complete and window.full == full
+    assert min(i.preemption_rate for i in window.intervals) == pytest.approx(lowest)
+
+
+def test_intervals_of_several_pods_are_averaged_per_replica():
+    a, _ = series_of([(t, 10) for t in range(0, 130, 10)], "a")
+    b, _ = series_of([(t, 0 if t <= 60 else 10) for t in range(0, 130, 10)], "b")
+    window = summarize({"a": a, "b": b}, now=T0 + 120, window_s=120, stale_after_s=45)
+    assert [i.preemption_rate for i in window.intervals] == pytest.approx([0.5] * 6 + [1.0] * 6)
 
 
 def test_window_uses_the_sample_before_its_start_and_drops_older_ones():

@@ -3,7 +3,7 @@
 Three servers over one tiny checkpoint (4,096 positions, so that long requests outlive the checks made
 while they run) start in parallel once per session:
 
-* ``server``: the API under test, with an API key (given through ``KVPILOT_API_KEY``);
+* ``server``: the API under test, with an API key (given through ``KVPILOT_API_KEY``, newline-ended);
 * ``pool_server``: a KV pool of 8 blocks x 16 tokens, where a few concurrent requests must preempt;
 * ``queue_server``: one running sequence and ``--max-waiting-requests 1``, for backpressure.
 
@@ -55,7 +55,8 @@ class ServerProcess:
         env = dict(os.environ)
         env.pop("KVPILOT_API_KEY", None)
         if api_key:
-            env["KVPILOT_API_KEY"] = api_key
+            # As a Secret made with ``kubectl create secret --from-file`` holds it: with a final newline.
+            env["KVPILOT_API_KEY"] = api_key + "\n"
         # The test machine has two cores shared by every process: one intra-op thread each avoids
         # oversubscription (which slows a tiny model's steps tenfold).
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -5,6 +5,7 @@ and turns /health to 503 instead of hanging."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -199,3 +200,103 @@ def test_dead_engine_ends_open_streams_with_an_error_event(engine, monkeypatch):
     events = [line for line in response.text.splitlines() if line]
     assert events[-1] == "data: [DONE]"
     assert '"code":"engine_dead"' in events[-2] and "boom" in events[-2]
+
+
+def test_admission_counts_sequences_not_calls(engine):
+    prompt = engine.tokenizer.encode("x = 1")
+
+    def inputs(num_prompts: int, n: int) -> list[PromptInput]:
+        params = SamplingParams(temperature=1.0, seed=1, n=n, max_tokens=3, ignore_eos=True)
+        return [PromptInput(f"p{i}-{n}", prompt, params, time.monotonic()) for i in range(num_prompts)]
+
+    async def main():
+        ae = AsyncEngine(engine, max_waiting_requests=8)
+        ae.start()
+        try:
+            # 2 prompts x n=5 = 10 sequences do not fit a queue of 8, even an empty one: refused whole.
+            with pytest.raises(QueueFullError) as refused:
+                await ae.add(inputs(2, 5), stream=False)
+            assert "(0 waiting + 10 requested, limit 8)" in str(refused.value)
+            assert refused.value.num_new == 10
+            assert not engine.has_unfinished_requests() and engine.stats().num_waiting == 0
+            rs = await ae.add(inputs(1, 8), stream=False)  # exactly 8 fit
+            final = await rs.collect()
+            assert [len(c.token_ids) for c in final["p0-8"].outputs] == [3] * 8
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_loop_dying_midway_through_a_batch_fails_every_pending_add(engine, monkeypatch):
+    """The engine raises while applying a batch of queued commands: the adds after the failure point
+    (never applied) and the streams of those before it all fail with EngineDeadError at once."""
+    prompt = engine.tokenizer.encode("def f(x):")
+    gate = threading.Event()
+    real_step = engine.step
+
+    def gated_step():
+        gate.wait()  # holds the engine thread inside a step while the batch queues up
+        return real_step()
+
+    def failing_abort(request_ids):
+        raise RuntimeError("boom in the middle of a batch")
+
+    monkeypatch.setattr(engine, "step", gated_step)
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            first = await ae.add([PromptInput("first", prompt, greedy(50), time.monotonic())], stream=True)
+            adds = [
+                asyncio.create_task(ae.add([PromptInput(rid, prompt, greedy(5), time.monotonic())], True))
+                for rid in ("b", "c", "d")
+            ]
+            await asyncio.sleep(0)  # each task submits its add
+            ae.abort("no-such-request")  # lands between the adds
+            adds.append(asyncio.create_task(ae.add([PromptInput("e", prompt, greedy(5), 0.0)], True)))
+            await asyncio.sleep(0)
+            assert [c[0] for c in ae._commands] == ["add", "add", "add", "abort", "add"]
+            monkeypatch.setattr(engine, "abort_request", failing_abort)
+            gate.set()
+            results = await asyncio.wait_for(asyncio.gather(*adds, return_exceptions=True), timeout=10)
+            # b, c, d were added before the failure: their streams fail; e never was: its add fails.
+            assert isinstance(results[3], EngineDeadError) and "boom" in str(results[3])
+            for rs in [first, *results[:3]]:
+                with pytest.raises(EngineDeadError, match="boom"):
+                    await asyncio.wait_for(rs.collect(), timeout=10)
+            assert not ae.is_healthy
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_streamed_outputs_carry_only_the_delta(engine):
+    """Each streamed output holds the new tokens, logprobs and text only (its size does not grow with
+    the length so far); together they are exactly the non-streamed output."""
+    prompt = engine.tokenizer.encode("class Config:")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    engine.add_request("whole", prompt, params)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += engine.step()
+    (whole,) = finals  # one output, at the end
+    engine.add_request("streamed", prompt, params, stream=True)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 40 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    for out in outs:
+        (comp,) = out.outputs
+        assert len(comp.token_ids) == 1 and len(comp.logprobs) == 1
+        assert comp.token_ids is out.delta_token_ids[0] and comp.text == out.delta_text[0]
+    expected = whole.outputs[0]
+    assert [t for o in outs for t in o.outputs[0].token_ids] == expected.token_ids
+    assert [e for o in outs for e in o.outputs[0].logprobs] == expected.logprobs
+    assert "".join(o.outputs[0].text for o in outs) == expected.text
+    assert outs[-1].outputs[0].cumulative_logprob == pytest.approx(expected.cumulative_logprob)
+    assert expected.cumulative_logprob == pytest.approx(
+        sum(next(iter(e.values())) for e in expected.logprobs)
+    )

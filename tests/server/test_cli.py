@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import subprocess
 import typing
@@ -11,6 +13,7 @@ import pytest
 
 from kvpilot.cli import build_parser
 from kvpilot.engine.config import EngineArgs, engine_arg_fields, flag_name, to_cli_args
+from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.server import protocol
 from kvpilot.engine.server.cli import engine_args_from, make_arg_parser
 
@@ -177,3 +180,92 @@ def test_generation_config_defaults_apply_unless_the_request_sets_them(tmp_path)
     assert (plain.temperature, plain.max_tokens) == (1.0, None)
     completion = protocol.validate(protocol.CompletionRequest, {"prompt": "x"})
     assert protocol.default_max_tokens(completion, {}) == 16  # OpenAI's completions default
+
+
+def test_request_limit_flags_parse_and_are_documented(capsys):
+    from kvpilot.engine.server.cli import request_limits_from
+    from kvpilot.engine.server.limits import RequestLimits
+
+    ns = make_arg_parser().parse_args(
+        ["/m", "--max-stop-sequences", "4", "--max-stop-sequence-length", "32", "--max-stop-token-ids", "8"]
+        + ["--max-sequences-per-request", "16"]
+    )
+    assert request_limits_from(ns) == RequestLimits(4, 32, 8, 16)
+    assert request_limits_from(make_arg_parser().parse_args(["/m"])) == RequestLimits()
+    with pytest.raises(SystemExit):
+        make_arg_parser().parse_args(["/m", "--max-sequences-per-request", "0"])
+    with pytest.raises(SystemExit):
+        build_parser(["serve"]).parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (
+        ("--max-stop-sequences N", 64),
+        ("--max-stop-sequence-length CHARS", 256),
+        ("--max-stop-token-ids N", 256),
+        ("--max-sequences-per-request N", 256),
+    ):
+        assert flag in text and f"(default: {default})" in text.rsplit(flag, 1)[1][:200], (
+            flag
+        )  # help, not usage
+
+
+def test_api_key_resolution():
+    from kvpilot.engine.server.cli import resolve_api_key
+
+    assert resolve_api_key(None, None) is None
+    assert resolve_api_key("key\n", None) == "key"  # kubectl create secret --from-file keeps the newline
+    assert resolve_api_key(None, "  key \r\n") == "key"
+    assert resolve_api_key("flag", "env") == "flag"
+    for flag, env, source in (
+        ("", None, "--api-key"),
+        (" \n", "env", "--api-key"),
+        (None, "", "$KVPILOT_API_KEY"),
+    ):
+        with pytest.raises(ConfigError, match=f"the API key from {re.escape(source)} is empty"):
+            resolve_api_key(flag, env)
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [(["--api-key", ""], {}), ([], {"KVPILOT_API_KEY": ""}), (["--api-key", "\n"], {"KVPILOT_API_KEY": "k"})],
+    ids=["empty-flag", "empty-env", "blank-flag"],
+)
+def test_an_empty_api_key_refuses_to_start(tmp_path, argv, env):
+    result = subprocess.run(
+        [*KVPILOT, "serve", str(tmp_path), "--port", "0", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "API key" in result.stderr and "is empty" in result.stderr
+    assert "Traceback" not in result.stderr and "listening" not in result.stderr
+
+
+def test_chat_template_paths_must_exist(tmp_path):
+    from kvpilot.engine.server.cli import looks_like_path, read_chat_template
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template(str(template)) == template.read_text()
+    inline = "{{ messages[0].content }}/"
+    assert read_chat_template(inline) == inline  # Jinja markers: a template, whatever else it holds
+    assert read_chat_template("plain words") == "plain words"
+    assert read_chat_template(None) is None
+    for missing in (str(tmp_path / "nope.jinja"), "templates/chat", "chat.j2", "chat.TXT"):
+        assert looks_like_path(missing)
+        with pytest.raises(ConfigError, match="no such file"):
+            read_chat_template(missing)
+    (tmp_path / "empty.jinja").write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        read_chat_template(str(tmp_path / "empty.jinja"))
+
+    result = subprocess.run(
+        [*KVPILOT, "serve", str(tmp_path), "--port", "0", "--chat-template", str(tmp_path / "missing.jinja")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "missing.jinja" in errors[0] and "no such file" in errors[0]

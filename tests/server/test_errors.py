@@ -76,6 +76,13 @@ def completion(**fields) -> dict:
         ({"prompt": 12}, "prompt"),
         ({"prompt": [10**7]}, "prompt"),
         ({"prompt": [1, -3]}, "prompt"),
+        # The server's per-request bounds (flags; defaults 64 / 256 characters / 256 / 256).
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
+        ({"stop": "x" * 257}, "stop"),
+        ({"stop_token_ids": [1] * 257}, "stop_token_ids"),
+        ({"prompt": ["hi"] * 200, "n": 2}, "prompt"),
+        ({"prompt": [[1, 2]] * 2048}, "prompt"),
+        ({"n": 128, "prompt": ["a", "b", "c"]}, "prompt"),
     ],
 )
 def test_invalid_completion_parameters_are_400(server, fields, param):
@@ -195,6 +202,10 @@ def test_api_key_is_required_on_v1_only(server):
 
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(f"{server.url}{path}").status_code == 200, path
+    # The API's description follows the API's rule.
+    for path in ("/openapi.json", "/docs"):
+        assert_error(httpx.get(f"{server.url}{path}"), 401, code="invalid_api_key")
+        assert httpx.get(f"{server.url}{path}", headers=server.headers()).status_code == 200, path
 
 
 def test_unknown_paths_and_methods(server):

@@ -1,0 +1,136 @@
+"""Build and load the C++ CPU kernels once per process, cached on disk across processes and runs.
+
+The build directory is keyed by a hash of the source, the compiler flags, the torch version, the
+Python ABI and the CPU's instruction-set flags (the code is compiled with ``-march=native``, so a
+cache shared between different machines never hands one a binary it cannot run). A directory whose
+build finished holds a ``complete`` marker; loading from it needs neither a compiler nor ninja.
+
+Where: ``$KVPILOT_KERNEL_CACHE`` or ``~/.cache/kvpilot/kernels``. If the compiler or ninja is
+missing or the build fails, ``load_extension()`` logs one line and returns None; it never raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger("kvpilot.kernels")
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "paged_attention_cpu.cpp"
+# -fopenmp-simd: the `omp simd` loops may reassociate their reductions; nothing else is relaxed
+# (no -ffast-math: results must stay within the reference's tolerance).
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno"]
+_MARKER = "complete"
+
+
+def cache_root() -> Path:
+    """Where built kernels are kept."""
+    env = os.environ.get("KVPILOT_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "kvpilot" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    """The hash that names the build directory (sources and headers, flags, torch, Python, CPU)."""
+    import torch
+
+    h = hashlib.sha256()
+    for part in (
+        *(path.read_bytes() for path in sorted(CSRC.glob("*.[ch]*"))),
+        " ".join(CFLAGS).encode(),
+        torch.__version__.encode(),
+        sysconfig.get_config_var("SOABI").encode() if sysconfig.get_config_var("SOABI") else b"",
+        _cpu_flags().encode(),
+    ):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _import_built(name: str, directory: Path) -> ModuleType | None:
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for path in (directory / f"{name}.so", directory / f"{name}{suffix}"):
+        if path.exists():
+            import torch  # noqa: F401  (the extension links against libtorch, loaded by this import)
+
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules[name] = module
+            return module
+    return None
+
+
+def _ninja_path() -> str:
+    """PATH with the ninja of the ``ninja`` package and this interpreter's scripts folder added: a
+    venv's executables are not on PATH unless it is activated."""
+    extra = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        extra.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    return os.pathsep.join([*extra, os.environ.get("PATH", "")])
+
+
+def _build(name: str, directory: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    old_path = os.environ.get("PATH")
+    os.environ["PATH"] = _ninja_path()
+    try:
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            build_directory=str(directory),
+            verbose=False,
+        )
+    finally:
+        if old_path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old_path
+    (directory / _MARKER).write_text("ok\n")
+    return module
+
+
+@functools.cache
+def load_extension() -> ModuleType | None:
+    """The compiled kernel module, built on first use; None (after one log line) if it cannot be."""
+    try:
+        name = f"kvpilot_cpu_attention_{build_key()}"
+        directory = cache_root() / name
+        if (directory / _MARKER).exists():
+            module = _import_built(name, directory)
+            if module is not None:
+                return module
+        logger.info("building the CPU attention kernel once (cached in %s)", directory)
+        return _build(name, directory)
+    except Exception as exc:  # any failure means "use the torch path", never a failed start-up
+        logger.warning(
+            "CPU attention kernel unavailable (%s: %s); using the torch path",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
+        )
+        return None

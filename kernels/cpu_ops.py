@@ -1,0 +1,76 @@
+"""The ``cpu`` backend: a C++ paged-attention kernel that reads K/V in place; the cache ops of torch.
+
+``paged_attention`` has the signature of ``torch_ops.paged_attention``. The kernel walks each
+request's block table and reads the blocks where they lie (no gather copy, no padded keys), with an
+online softmax in fp32 over the key blocks, parallel over (request, KV head, query tile) on ATen's
+threads. See ``kernels/csrc/paged_attention_cpu.cpp``.
+
+The extension is compiled on first use (``cpu_build``) and cached on disk; ``is_available()`` says
+whether it could be built or loaded, and never raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpilot.kernels.cpu_build import load_extension
+from kvpilot.kernels.metadata import AttentionMetadata
+from kvpilot.kernels.torch_ops import copy_blocks, swap_blocks, write_kv_cache
+
+__all__ = ["copy_blocks", "is_available", "paged_attention", "swap_blocks", "write_kv_cache"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_available() -> bool:
+    """Whether the C++ kernel is built (or loadable from the cache) in this process."""
+    return load_extension() is not None
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's query span over all of its cached tokens (see
+    ``torch_ops.paged_attention``), computed in place over the block pool.
+
+    ``query: [num_tokens, num_heads, head_size]`` may be a strided view (e.g. of a fused QKV tensor)
+    whose last dimension is contiguous; ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+    head_size]``. Returns a contiguous ``[num_tokens, num_heads, head_size]`` tensor in the query's
+    dtype. Raises ``ValueError`` for tensors the kernel does not take (not on CPU, mixed or unsupported
+    dtypes, a head count that is not a multiple of the KV heads) and ``RuntimeError`` when the
+    extension is not available.
+    """
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("the CPU attention kernel is not available; use the torch backend")
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    if query.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu":
+        raise ValueError("the cpu backend takes CPU tensors only")
+    if query.dtype not in _DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(
+            f"query and caches must share one of float32, bfloat16, float16; got {query.dtype}, "
+            f"{k_cache.dtype}, {v_cache.dtype}"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches' head dimension must be contiguous")
+    return ext.paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        _int32(metadata.query_start_loc),
+        _int32(metadata.seq_lens),
+        _int32(metadata.block_tables),
+        float(scale),
+    )

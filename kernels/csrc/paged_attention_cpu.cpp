@@ -1,0 +1,343 @@
+// Paged attention on CPU that reads K/V where they lie in the block pool.
+//
+// One call covers the flattened batch (decode rows and prefill chunks with cached context). Work items
+// are (request, KV head, tile of query tokens); the query heads of a GQA group are processed together,
+// so every K/V row is read and converted once per item. Each item walks its request's block table and
+// runs an online softmax over the key blocks with fp32 accumulation. Items are handed out dynamically
+// (largest first) to the threads of ATen's pool.
+//
+// Shapes (strides are taken from the tensors; the last dimension must be contiguous):
+//   query:           [num_tokens, num_heads, head_size]
+//   k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_size]
+//   query_start_loc: [num_reqs + 1] int32, seq_lens: [num_reqs] int32,
+//   block_tables:    [num_reqs, max_num_blocks] int32
+// Returns [num_tokens, num_heads, head_size] (contiguous) in the query's dtype.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using namespace kvpilot_cpu;
+
+// Query tokens of one prefill request attended by one work item: small enough to load-balance a
+// long chunk over the threads, large enough that K/V conversion is shared by many rows.
+constexpr int kQueryTile = 16;
+
+#ifndef KVPILOT_PREFETCH_BLOCKS
+#define KVPILOT_PREFETCH_BLOCKS 2
+#endif
+// Key blocks requested ahead of the one being computed.
+constexpr int kPrefetchBlocks = KVPILOT_PREFETCH_BLOCKS;
+
+
+
+struct WorkItem {
+  int req;
+  int kv_head;
+  int q_begin;  // query tokens [q_begin, q_end) of the request
+  int q_end;
+  int64_t cost;
+};
+
+struct Strides {
+  int64_t q_token, q_head;
+  int64_t k_block, k_token, k_head;
+  int64_t v_block, v_token, v_head;
+  int64_t table_row;
+};
+
+inline int round_up_16(int n) { return (n + 15) / 16 * 16; }
+
+// Key rows and score rows are padded to a multiple of 16 for the 16-key score kernel; padding rows
+// hold zeros or stale (finite) converted keys, and their scores are masked.
+template <typename T>
+struct Scratch {
+  std::vector<float> q, acc, k, v, s, m, l;
+  explicit Scratch(int rows, int block_size, int d)
+      : q(rows * d),
+        acc(rows * d),
+        k(round_up_16(block_size) * d),
+        v(round_up_16(block_size) * d),
+        s(rows * round_up_16(block_size)),
+        m(rows),
+        l(rows) {}
+};
+
+// HEAD: the head size when known at compile time (fixed trip counts), 0 for any.
+template <typename T, int HEAD>
+void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_cache, T* out,
+            const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
+            const Strides& st, int num_heads, int group, int block_size, int head, float scale,
+            Scratch<T>& sc) {
+  const int d = HEAD ? HEAD : head;
+  const int q_len = query_start_loc[item.req + 1] - query_start_loc[item.req];
+  const int context = seq_lens[item.req] - q_len;
+  const int first_token = query_start_loc[item.req] + item.q_begin;
+  const int rows = (item.q_end - item.q_begin) * group;
+  float* q = sc.q.data();
+  float* acc = sc.acc.data();
+  float* kf = sc.k.data();
+  float* vf = sc.v.data();
+  float* s = sc.s.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  // Row r is query token first_token + r / group, head kv_head * group + r % group.
+  for (int r = 0; r < rows; ++r) {
+    const int64_t token = first_token + r / group, q_head = item.kv_head * group + r % group;
+    const T* src = query + token * st.q_token + q_head * st.q_head;
+    float* row = q + r * d;
+    load_row(src, row, d);
+#pragma omp simd
+    for (int i = 0; i < d; ++i) row[i] *= scale;
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+  const int s_stride = round_up_16(block_size);
+  const bool wide = kWide && d % 16 == 0;
+  // A row's running max rose to new_max: scale its accumulator and sum by exp(old - new).
+  auto rescale = [&](int r, float new_max) {
+    if (new_max == m[r]) return;
+    // The first visible block has m = -inf: alpha 0 keeps the empty accumulator empty.
+    const float alpha = std::isinf(m[r]) ? 0.0f : exp_nonpositive(m[r] - new_max);
+    float* ar = acc + r * d;
+#pragma omp simd
+    for (int i = 0; i < d; ++i) ar[i] *= alpha;
+    l[r] *= alpha;
+    m[r] = new_max;
+  };
+  // Keys at positions < kv_end are visible to the item's last query token (at context + q_end - 1).
+  const int kv_end = context + item.q_end;
+  const int32_t* table = block_tables + item.req * st.table_row;
+  for (int base = 0, blk = 0; base < kv_end; base += block_size, ++blk) {
+    const int num_keys = std::min(block_size, kv_end - base);
+    const int64_t block = table[blk];
+    const T* kb = k_cache + block * st.k_block + item.kv_head * st.k_head;
+    const T* vb = v_cache + block * st.v_block + item.kv_head * st.v_head;
+    // This head's rows are short runs spread over each block (its token stride is all KV heads): the
+    // hardware prefetcher misses them, so ask for the blocks ahead while this one is computed.
+    for (int ahead = blk == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+      const int ahead_base = base + ahead * block_size;
+      if (ahead_base >= kv_end) break;
+      const int64_t next = table[blk + ahead];
+      const int next_keys = std::min(block_size, kv_end - ahead_base);
+      prefetch_rows(k_cache + next * st.k_block + item.kv_head * st.k_head, st.k_token, next_keys, d);
+      prefetch_rows(v_cache + next * st.v_block + item.kv_head * st.v_head, st.v_token, next_keys, d);
+    }
+    for (int k = 0; k < num_keys; ++k) load_row(kb + k * st.k_token, kf + k * d, d);
+    // Scores and the online-softmax update, row by row; p overwrites the scores.
+    int max_visible = 0;
+    for (int r = 0; r < rows; ++r) {
+      const int position = context + item.q_begin + r / group;
+      const int visible = std::min(num_keys, position - base + 1);
+      float* sr = s + r * s_stride;
+      if (visible <= 0) {
+        std::fill(sr, sr + num_keys, 0.0f);
+        continue;
+      }
+      max_visible = std::max(max_visible, visible);
+      const float* qr = q + r * d;
+      float block_max = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+      if (wide) {
+        // Scores, max, exp and sum in registers, 16 keys at a time; lanes past `visible` are masked.
+        const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int c = 0; c < visible; c += 16) {
+          const __m512 sc16 = _mm512_mask_blend_ps(first_lanes(visible - c), minus_inf,
+                                                   scores_16<HEAD>(qr, kf + c * d, d));
+          block_max = std::max(block_max, _mm512_reduce_max_ps(sc16));
+          _mm512_storeu_ps(sr + c, sc16);
+        }
+        const float new_max = std::max(m[r], block_max);
+        const __m512 shift = _mm512_set1_ps(new_max);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < num_keys; c += 16) {
+          const __m512 p = _mm512_maskz_mov_ps(
+              first_lanes(visible - c), exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), shift)));
+          sum = _mm512_add_ps(sum, p);
+          _mm512_storeu_ps(sr + c, p);
+        }
+        rescale(r, new_max);
+        l[r] += _mm512_reduce_add_ps(sum);
+        continue;
+      }
+#endif
+      {
+        for (int k = 0; k < visible; ++k) {
+          const float* kr = kf + k * d;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int i = 0; i < d; ++i) dot += qr[i] * kr[i];
+          sr[k] = dot;
+        }
+      }
+      for (int k = 0; k < visible; ++k) block_max = std::max(block_max, sr[k]);
+      const float new_max = std::max(m[r], block_max);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int k = 0; k < visible; ++k) {
+        const float p = exp_nonpositive(sr[k] - new_max);
+        sr[k] = p;
+        sum += p;
+      }
+      for (int k = visible; k < num_keys; ++k) sr[k] = 0.0f;
+      rescale(r, new_max);
+      l[r] += sum;
+    }
+#if defined(__AVX512F__)
+    if (wide && HEAD) {
+      // Per row, the accumulator stays in registers across the block's keys.
+      for (int k = 0; k < max_visible; ++k) load_row(vb + k * st.v_token, vf + k * d, d);
+      for (int r = 0; r < rows; ++r) {
+        const float* pr = s + r * s_stride;
+        float* ar = acc + r * d;
+        __m512 a[HEAD / 16 + 1];
+        for (int j = 0; j < HEAD / 16; ++j) a[j] = _mm512_loadu_ps(ar + 16 * j);
+        for (int k = 0; k < max_visible; ++k) {
+          const __m512 p = _mm512_set1_ps(pr[k]);
+          const float* vr = vf + k * d;
+          for (int j = 0; j < HEAD / 16; ++j) a[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * j), a[j]);
+        }
+        for (int j = 0; j < HEAD / 16; ++j) _mm512_storeu_ps(ar + 16 * j, a[j]);
+      }
+      continue;
+    }
+#endif
+    for (int k = 0; k < max_visible; ++k) {
+      load_row(vb + k * st.v_token, vf, d);
+      for (int r = 0; r < rows; ++r) {
+        const float p = s[r * s_stride + k];
+        float* ar = acc + r * d;
+#pragma omp simd
+        for (int i = 0; i < d; ++i) ar[i] += p * vf[i];
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t token = first_token + r / group, q_head = item.kv_head * group + r % group;
+    T* dst = out + (token * num_heads + q_head) * d;
+    store_row(acc + r * d, 1.0f / l[r], dst, d);
+  }
+}
+
+template <typename T, int HEAD>
+void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
+         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+         double scale) {
+  const int num_heads = query.size(1);
+  const int head = query.size(2);
+  const int block_size = k_cache.size(1);
+  const int num_kv_heads = k_cache.size(2);
+  const int group = num_heads / num_kv_heads;
+  const int num_reqs = seq_lens.size(0);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const Strides st{query.stride(0),   query.stride(1),   k_cache.stride(0), k_cache.stride(1),
+                   k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                   block_tables.stride(0)};
+
+  std::vector<WorkItem> items;
+  items.reserve(static_cast<size_t>(num_reqs) * num_kv_heads);
+  for (int r = 0; r < num_reqs; ++r) {
+    const int q_len = qsl[r + 1] - qsl[r];
+    const int context = lens[r] - q_len;
+    for (int q0 = 0; q0 < q_len; q0 += kQueryTile) {
+      const int q1 = std::min(q_len, q0 + kQueryTile);
+      // Keys read plus scores computed: what the item costs, for the largest-first order.
+      const int64_t cost = static_cast<int64_t>(context + q1) * (1 + (q1 - q0) * group);
+      for (int h = 0; h < num_kv_heads; ++h) items.push_back({r, h, q0, q1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  const T* q = reinterpret_cast<const T*>(query.data_ptr());
+  const T* kc = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vc = reinterpret_cast<const T*>(v_cache.data_ptr());
+  T* o = reinterpret_cast<T*>(out.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int max_rows = kQueryTile * group;
+  std::atomic<int64_t> next{0};
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> sc(max_rows, block_size, head);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+        attend<T, HEAD>(items[i], q, kc, vc, o, qsl, lens, tables, st, num_heads, group, block_size, head,
+                        static_cast<float>(scale), sc);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head(int head, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   at::Tensor& out, const at::Tensor& qsl, const at::Tensor& lens, const at::Tensor& tables,
+                   double scale) {
+  switch (head) {
+    case 32: return run<T, 32>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 64: return run<T, 64>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 80: return run<T, 80>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 96: return run<T, 96>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 128: return run<T, 128>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 256: return run<T, 256>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    default: return run<T, 0>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "head sizes differ");
+  TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0,
+              "num_heads must be a multiple of num_kv_heads");
+  for (const auto* t : {&query_start_loc, &seq_lens, &block_tables}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "metadata must be contiguous int32");
+  }
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  if (query.size(0) == 0) return out;
+  const int head = query.size(2);
+  const auto& qsl = query_start_loc;
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      dispatch_head<float>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
+      break;
+    case at::kBFloat16:
+      dispatch_head<c10::BFloat16>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
+      break;
+    case at::kHalf:
+      dispatch_head<c10::Half>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged attention over the flattened batch (CPU)");
+}

@@ -1,0 +1,169 @@
+"""The ``cpu`` backend's C++ paged attention against the torch reference, as the Triton kernel is tested.
+
+The matrix (7 head sizes x 3 dtypes x 3 block sizes x 5 head layouts x 3 batch kinds) is covered
+pairwise; every batch kind mixes the lengths 1, bs-1, bs, bs+1 and long, and unused cache slots and
+block 0 hold garbage. Without the compiled kernel these tests skip, except under
+``KVPILOT_REQUIRE_TOOLS=1`` (``make test``), where a failed build fails them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpilot.kernels import cpu_build, cpu_ops, get_backend, torch_ops
+
+from .conftest import (
+    DTYPES,
+    HEADS,
+    assert_close,
+    batch_spans,
+    make_paged_batch,
+    naive_attention,
+    pairwise,
+    require_cpu_kernel,
+)
+
+CASES = pairwise(
+    {
+        # 32: the benchmarks' small checkpoint; 48: a size with no specialised instantiation.
+        "head_size": [32, 48, 64, 80, 96, 128, 256],
+        "dtype": list(DTYPES),
+        "heads": list(HEADS),
+        "block_size": [8, 16, 32],
+        "kind": ["decode", "prefill", "mixed"],
+    }
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_built():
+    require_cpu_kernel()
+
+
+def _case_id(case: dict) -> str:
+    return "-".join(f"{v}" for v in case.values())
+
+
+def _run_both(batch, threads: int | None = None):
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        out = cpu_ops.paged_attention(
+            batch.query, batch.k_cache, batch.v_cache, batch.fresh_metadata(), batch.scale
+        )
+    finally:
+        torch.set_num_threads(saved)
+    ref = torch_ops.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.fresh_metadata(), batch.scale
+    )
+    return out, ref
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_paged_attention_matches_torch(case):
+    dtype = DTYPES[case["dtype"]]
+    num_heads, num_kv_heads = HEADS[case["heads"]]
+    batch = make_paged_batch(
+        batch_spans(case["kind"], case["block_size"]),
+        num_heads,
+        num_kv_heads,
+        case["head_size"],
+        case["block_size"],
+        dtype,
+        device="cpu",
+        seed=CASES.index(case),
+    )
+    out, ref = _run_both(batch)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    assert_close(out, ref, dtype, _case_id(case))
+
+
+def test_long_prefill_chunk_over_cached_context_matches_dense():
+    """A chunk of 70 queries (several query tiles) over 300 cached tokens, against float64 attention."""
+    batch = make_paged_batch([(300, 70), (0, 33), (12, 1)], 8, 2, 64, 16, torch.float32, device="cpu")
+    out, ref = _run_both(batch)
+    assert_close(out, ref, torch.float32, "long chunk vs torch")
+    assert_close(out, naive_attention(batch), torch.float32, "long chunk vs dense")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_give_the_same_result(threads):
+    """Work items are independent: any thread count gives bit-identical output."""
+    batch = make_paged_batch(batch_spans("mixed", 16), 12, 4, 64, 16, torch.bfloat16, device="cpu", seed=3)
+    one, _ = _run_both(batch, threads=1)
+    many, _ = _run_both(batch, threads=threads)
+    assert torch.equal(one, many)
+
+
+def test_unused_heads_of_a_fused_qkv_view_are_not_read():
+    """The query may be a strided view; the result equals the contiguous query's."""
+    batch = make_paged_batch([(20, 1), (5, 9)], 6, 2, 80, 8, torch.float16, device="cpu", seed=7)
+    assert not batch.query.is_contiguous()
+    strided, _ = _run_both(batch)
+    contiguous = cpu_ops.paged_attention(
+        batch.query.contiguous(), batch.k_cache, batch.v_cache, batch.fresh_metadata(), batch.scale
+    )
+    assert torch.equal(strided, contiguous)
+
+
+def test_offsets_past_int32():
+    """Blocks whose element offsets exceed 2**31 (the cache is 4.3 GB, allocated lazily)."""
+    block_size, num_kv_heads, head_size = 16, 1, 64
+    first = (1 << 31) // (block_size * num_kv_heads * head_size) + 5
+    batch = make_paged_batch(
+        [(40, 1), (0, 19), (17, 6)],
+        4,
+        num_kv_heads,
+        head_size,
+        block_size,
+        torch.float16,
+        device="cpu",
+        first_block_id=first,
+        num_blocks=first + 16,
+    )
+    assert batch.k_cache.numel() > 2**31
+    out, ref = _run_both(batch)
+    assert_close(out, ref, torch.float16, "int64 offsets")
+
+
+def test_empty_batch_and_bad_arguments():
+    batch = make_paged_batch([(3, 1)], 4, 4, 64, 16, torch.float32, device="cpu")
+    empty = cpu_ops.paged_attention(
+        batch.query[:0], batch.k_cache, batch.v_cache, batch.fresh_metadata(), batch.scale
+    )
+    assert empty.shape == (0, 4, 64)
+    with pytest.raises(ValueError, match="share one of"):
+        cpu_ops.paged_attention(
+            batch.query.half(), batch.k_cache, batch.v_cache, batch.fresh_metadata(), batch.scale
+        )
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        cpu_ops.paged_attention(
+            batch.query[:, :3], batch.k_cache[..., :2, :], batch.v_cache[..., :2, :], batch.metadata, 1.0
+        )
+
+
+def test_backend_uses_the_kernel_and_the_torch_cache_ops():
+    backend = get_backend("cpu", "cpu")
+    assert backend.name == "cpu" and backend.paged_attention is cpu_ops.paged_attention
+    assert backend.write_kv_cache is torch_ops.write_kv_cache
+    assert get_backend("auto", "cpu").name == "cpu"
+
+
+def test_build_is_cached_across_processes(tmp_path):
+    """A second process loads the cached build without compiling: with no compiler and no ninja on its
+    PATH the kernel is still available, and the build directory is marked complete."""
+    directory = cpu_build.cache_root() / f"kvpilot_cpu_attention_{cpu_build.build_key()}"
+    assert (directory / "complete").exists()
+    script = "from kvpilot.kernels import cpu_ops; print(cpu_ops.is_available())"
+    env = dict(PATH=str(tmp_path), HOME=str(Path.home()), KVPILOT_KERNEL_CACHE=str(cpu_build.cache_root()))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "True", proc.stderr[-3000:]

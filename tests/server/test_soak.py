@@ -1,0 +1,34 @@
+"""The soak benchmark, short: both preemption modes under the mixed, partly hostile load, and the
+benchmark's own pass criteria (no 5xx, every request answered or cleanly refused, every block free
+within 5 s, no RSS growth beyond the margin) hold."""
+
+from __future__ import annotations
+
+import pytest
+from benchmarks.soak import SoakConfig, run_mode
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_short_soak_holds_its_invariants(mode, tiny_llama, tmp_path):
+    cfg = SoakConfig(
+        model_dir=str(tiny_llama),
+        preemption_mode=mode,
+        duration_s=8.0,
+        warmup_s=2.0,
+        num_clients=2,
+        concurrency=4,
+        num_gpu_blocks=32,
+        max_num_seqs=8,
+        max_waiting_requests=8,
+        log_dir=str(tmp_path),
+    )
+    r = run_mode(cfg)
+    assert r["failures"] == [], r
+    assert r["sent"] == r["completed"] + r["refused"] + r["rejected"] + r["aborted"]
+    assert r["completed"] > 50 and r["rejected"] > 0 and r["aborted"] > 0, r
+    assert r["preemptions"] > 0, "the pool must be small enough to preempt"
+    assert r["server_aborts"] >= r["aborted"] > 0
+    assert r["kv_blocks_in_use_after"] == 0 and r["drain_s"] <= 5.0
+    assert r["probe_ok"] > 0
