@@ -5,6 +5,8 @@ repetition / presence / frequency penalties -> greedy argmax, or temperature -> 
 min-p -> a sample. Samples use the "exponential race" ``argmax(p / q)`` with ``q ~ Exp(1)``: a
 seeded request draws ``q`` from a generator seeded by (seed, output index), so its tokens do not depend
 on what else is in the batch or on preemptions. Logprobs are of the raw model distribution.
+``Sampler.apply_penalties`` and ``Sampler.sampling_probs`` are the sampler's own steps, public so that
+they can be compared with other implementations on the same logits.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class Sampler:
         else:
             logits = logits.clone()
             self._apply_min_tokens(logits, rows)
-            self._apply_penalties(logits, rows)
+            self.apply_penalties(logits, rows)
             token_ids = self._sample(logits, rows)
 
         logprobs: list[dict[int, float] | None] = [None] * num_rows
@@ -93,21 +95,30 @@ class Sampler:
             if banned:
                 logits[i, banned] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Apply each row's repetition, presence and frequency penalties to ``logits`` in place.
+
+        ``logits``: [len(rows), vocab] float32. Repetition penalty ``r`` (transformers' and vLLM's
+        definition): a token seen in the prompt or the output has its logit divided by ``r`` when
+        positive and multiplied by ``r`` otherwise. Presence ``a_p`` and frequency ``a_f`` penalties
+        (OpenAI's definition, output tokens only): ``logit[t] -= a_f * count[t] + a_p * (count[t] > 0)``.
+        """
         vocab = logits.shape[1]
+        device = logits.device
         for i, r in enumerate(rows):
             p = r.params
             if not p.has_penalties:
                 continue
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-                seen[torch.tensor(r.prompt_token_ids + r.output_token_ids, device=self.device)] = True
+                seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+                seen[torch.tensor(r.prompt_token_ids + r.output_token_ids, device=device)] = True
                 penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 row.copy_(torch.where(seen, penalized, row))
             if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-                counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
-                out = torch.tensor(r.output_token_ids, device=self.device)
+                counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+                out = torch.tensor(r.output_token_ids, device=device)
                 counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
@@ -117,15 +128,7 @@ class Sampler:
         if not random_rows:
             return token_ids
         idx = torch.tensor(random_rows, device=self.device)
-        x = logits[idx]
-        temps = torch.tensor([rows[i].params.temperature for i in random_rows], device=self.device)
-        x = x / temps[:, None]
-        x = self._top_k_top_p(x, [rows[i].params for i in random_rows])
-        probs = torch.softmax(x, dim=-1)
-        min_ps = torch.tensor([rows[i].params.min_p for i in random_rows], device=self.device)
-        if bool((min_ps > 0).any()):
-            threshold = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = self.sampling_probs(logits[idx], [rows[i].params for i in random_rows])
         q = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
             r = rows[i]
@@ -138,6 +141,29 @@ class Sampler:
         for j, i in enumerate(random_rows):
             token_ids[i] = chosen[j]
         return token_ids
+
+    @staticmethod
+    def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution each sampling row draws from: temperature -> top-k -> top-p -> softmax -> min-p.
+
+        ``logits``: [len(params), vocab] float32, penalties already applied, every row sampling
+        (temperature of at least 1e-5; below that a row is greedy). Top-k keeps the ``top_k`` largest
+        logits; top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (the
+        token crossing it included); min-p then removes the tokens whose probability is below ``min_p``
+        times the largest one. Returns [len(params), vocab] probabilities, exactly 0 at every removed
+        token. A row sums to 1 unless min-p removed tokens: the kept ones keep their values then (the
+        draw ``argmax(p / q)`` does not depend on the scale), so divide by the row's sum for the
+        normalised distribution.
+        """
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        x = logits / temps[:, None]
+        x = Sampler._top_k_top_p(x, params)
+        probs = torch.softmax(x, dim=-1)
+        min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
+        if bool((min_ps > 0).any()):
+            threshold = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
 
     @staticmethod
     def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

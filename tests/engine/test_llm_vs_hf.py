@@ -44,6 +44,17 @@ def _assert_greedy_matches(llm: LLM, hf_model, prompts: list[list[int]], max_tok
         assert o.outputs[0].token_ids == _hf_greedy(hf_model, p, max_tokens), f"prompt of {len(p)} tokens"
 
 
+def _chunked_llm(model_dir, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> LLM:
+    """An engine that prefills in chunks of 32 tokens over ``num_blocks`` KV blocks."""
+    return LLM(
+        str(model_dir),
+        block_size=block_size,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=num_blocks,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+
+
 @pytest.fixture(scope="module")
 def hf_llama(tiny_llama):
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
@@ -51,13 +62,7 @@ def hf_llama(tiny_llama):
 
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_greedy_matches_transformers_in_one_chunked_batch(tiny_llama, hf_llama, block_size):
-    llm = LLM(
-        str(tiny_llama),
-        block_size=block_size,
-        max_num_batched_tokens=32,
-        num_gpu_blocks_override=512,
-        enable_prefix_caching=False,
-    )
+    llm = _chunked_llm(tiny_llama, block_size, num_blocks=512, enable_prefix_caching=False)
     prompts = _prompts(llm.get_tokenizer(), 16)
     max_tokens = 24
     outs = llm.generate(
@@ -71,6 +76,30 @@ def test_greedy_matches_transformers_in_one_chunked_batch(tiny_llama, hf_llama, 
     # Chunked prefill really happened: the longest prompt needed several 32-token steps.
     assert max(len(p) for p in prompts) > 32
     assert llm.llm_engine.block_manager.num_free_blocks == 512
+
+
+def test_greedy_with_prefix_cache_hits_matches_transformers(tiny_llama, hf_llama):
+    """Prompts that reuse cached KV blocks of a long shared prefix still generate transformers' tokens."""
+    block_size = 8
+    llm = _chunked_llm(tiny_llama, block_size, num_blocks=256, enable_prefix_caching=True)
+    rng = random.Random(21)
+    vocab = len(llm.get_tokenizer())
+    prefix = [rng.randrange(5, vocab) for _ in range(6 * block_size)]
+    suffixes = [[rng.randrange(5, vocab) for _ in range(n)] for n in (3, 11, 1)]
+    max_tokens = 16
+    # The first request computes (and caches) the prefix; the batch then reads it from the cache:
+    # prompts extending it, the prefix alone (block-aligned: its last block is recomputed) and a repeat.
+    _assert_greedy_matches(llm, hf_llama, [prefix + suffixes[0]], max_tokens)
+    hits_before = llm.llm_engine.stats().prefix_cache_hits
+    prompts = [prefix + suffixes[1], prefix + suffixes[2], prefix, prefix + suffixes[0]]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    )
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.num_cached_tokens >= len(prefix) - block_size, f"prompt of {len(p)} tokens missed the cache"
+        assert o.outputs[0].token_ids == _hf_greedy(hf_llama, p, max_tokens), f"prompt of {len(p)} tokens"
+    assert llm.llm_engine.stats().prefix_cache_hits - hits_before == sum(o.num_cached_tokens for o in outs)
+    assert llm.llm_engine.block_manager.num_free_blocks == 256
 
 
 def _prompt_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:

@@ -69,8 +69,8 @@ def test_failed_build_falls_back_to_torch(tmp_path):
 
 
 def test_torch_path_works_without_triton(tmp_path):
-    """With triton unimportable, ``auto`` falls back to torch even on CUDA and attention still runs;
-    choosing torch never imports triton."""
+    """With triton unimportable, ``auto`` falls back to torch even on CUDA, writes K/V into their slots
+    and computes the same attention as a dense causal reference; choosing torch never imports triton."""
     script = textwrap.dedent(
         """
         import sys
@@ -80,17 +80,30 @@ def test_torch_path_works_without_triton(tmp_path):
 
         assert resolve_backend_name("auto", "cuda") == "torch"
         backend = get_backend("auto", "cpu")
-        q = torch.randn(3, 4, 64)
-        k_cache = torch.randn(4, 8, 2, 64)
+        torch.manual_seed(0)
+        q, key, value = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+        k_cache, v_cache = torch.randn(4, 8, 2, 64), torch.randn(4, 8, 2, 64)
+        # Request 0 decodes its 5th token (block 2, slot 2*8+4); request 1 prefills 2 tokens in block 1.
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor([0, 8, 9]), query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32),
+            slot_mapping=torch.tensor([20, 8, 9]), query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32),
             seq_lens=torch.tensor([5, 2], dtype=torch.int32),
             block_tables=torch.tensor([[2], [1]], dtype=torch.int32), max_query_len=2, max_seq_len=5,
             num_decodes=1, query_start_loc_host=[0, 1, 3], seq_lens_host=[5, 2],
         )
-        backend.write_kv_cache(q[:, :2], q[:, 2:], k_cache, k_cache.clone(), meta.slot_mapping)
-        out = backend.paged_attention(q, k_cache, k_cache, meta, 0.125)
-        assert out.shape == q.shape and torch.isfinite(out).all()
+        backend.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        assert torch.equal(k_cache.view(-1, 2, 64)[[20, 8, 9]], key)
+        assert torch.equal(v_cache.view(-1, 2, 64)[[20, 8, 9]], value)
+        out = backend.paged_attention(q, k_cache, v_cache, meta, 0.125)
+        # Dense causal attention, each pair of query heads on one KV head.
+        expected = torch.empty_like(q)
+        for block, start, end, seq_len in ((2, 0, 1, 5), (1, 1, 3, 2)):
+            k = k_cache[block, :seq_len].repeat_interleave(2, dim=1)
+            v = v_cache[block, :seq_len].repeat_interleave(2, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * 0.125
+            positions = torch.arange(seq_len - (end - start), seq_len)
+            scores.masked_fill_(torch.arange(seq_len)[None, :] > positions[:, None], float("-inf"))
+            expected[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5), (out - expected).abs().max()
         assert sys.modules["triton"] is None
         print("ok")
         """

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from . import triton_cases
-from .conftest import DEVICE, require_modules
+from .conftest import DEVICE, missing_dependency, require_modules
 
 SUITE = Path(__file__).with_name("triton_cases.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +66,34 @@ def test_triton_kernels_match_torch_reference(tmp_path):
                 skipped.append(name)
             else:
                 passed += 1
-    assert not failures, "\n".join(failures) + "\n\n" + outputs[0][-3000:]
+    judge_suite(passed, failures, skipped, "\n".join(outputs))
+
+
+def judge_suite(passed: int, failures: list[str], skipped: list[str], output: str) -> None:
+    """The verdict on the children's reports: any failure fails; a suite that only skipped (a
+    dependency missing in the children) skips, and fails under ``KVPILOT_REQUIRE_TOOLS=1``; a
+    partial skip or fewer cases than the suite holds fails."""
+    assert not failures, "\n".join(failures) + "\n\n" + output[-3000:]
     if skipped and not passed:
-        pytest.skip(f"Triton suite skipped: {skipped[0]}")
+        missing_dependency(f"Triton suite skipped: {skipped[0]}")
     assert not skipped, f"skipped in the Triton suite: {skipped}"
-    assert passed >= len(triton_cases.ATTENTION_CASES) + 10, "\n".join(outputs)
+    assert passed >= len(triton_cases.ATTENTION_CASES) + 10, output
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_missing_kernel_dependency_skips_and_fails_under_make(monkeypatch, required):
+    monkeypatch.setenv("KVPILOT_REQUIRE_TOOLS", "1" if required else "0")
+    outcome = pytest.fail.Exception if required else pytest.skip.Exception
+    with pytest.raises(outcome, match="needs kvpilot_no_such_module"):
+        require_modules("numpy", "kvpilot_no_such_module")
+    with pytest.raises(outcome, match="Triton suite skipped: case_a"):
+        judge_suite(0, [], ["case_a", "case_b"], "")
+    require_modules("pytest")  # present: neither skips nor fails
+
+
+def test_a_suite_that_ran_nothing_or_skipped_part_fails():
+    with pytest.raises(AssertionError):
+        judge_suite(0, [], [], "")
+    with pytest.raises(AssertionError, match="skipped in the Triton suite"):
+        judge_suite(len(triton_cases.ATTENTION_CASES) + 10, [], ["case_a"], "")
+    judge_suite(len(triton_cases.ATTENTION_CASES) + 10, [], [], "")

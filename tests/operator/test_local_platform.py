@@ -22,6 +22,7 @@ from tests.operator.conftest import wait_for
 from tests.operator.local_support import (
     MODEL_NAME,
     PlatformThread,
+    Traffic,
     leftovers,
     tiny_isvc,
     write_manifest,
@@ -56,6 +57,15 @@ def samples(url: str) -> dict[str, list]:
 
 def successes(url: str) -> float:
     return sum(s.value for s in samples(url).get(m.REQUEST_SUCCESS_TOTAL, []))
+
+
+def override_memory_fraction(platform: PlatformThread, value: float) -> None:
+    """What remediation writes in Auto mode (``status.effective.overrides``), then its re-render."""
+    path = object_path(names.API_VERSION, names.KIND, "local", "tiny")
+    override = {"value": value, "specValue": 0.5, "time": "2026-01-01T00:00:00.000Z", "reason": "test"}
+    patch = {"status": {"effective": {"overrides": {"gpuMemoryUtilization": override}}}}
+    platform.call(platform.platform.api.merge_patch(path + "/status", patch))
+    platform.call(platform.platform.reconcile())
 
 
 def test_front_door_streams_balances_survives_a_crash_and_stop_leaves_nothing(platforms, tiny_llama):
@@ -134,13 +144,8 @@ def test_new_configuration_restarts_with_the_rendered_args_and_scales(platforms,
     (first,) = wait_for(lambda: platform.ready_replicas(1), timeout=START_S, what="a ready replica")
     assert first["args"][first["args"].index("--gpu-memory-utilization") + 1] == "0.5"
 
-    # What remediation writes in Auto mode (status.effective.overrides), then its re-render.
     api = platform.platform.api
-    path = object_path(names.API_VERSION, names.KIND, "local", "tiny")
-    override = {"value": 0.6, "specValue": 0.5, "time": "2026-01-01T00:00:00.000Z", "reason": "test"}
-    patch = {"status": {"effective": {"overrides": {"gpuMemoryUtilization": override}}}}
-    platform.call(api.merge_patch(path + "/status", patch))
-    platform.call(platform.platform.reconcile())
+    override_memory_fraction(platform, 0.6)
     (second,) = wait_for(lambda: platform.ready_replicas(1), timeout=START_S, what="the new replica")
     assert second["name"] != first["name"] and leftovers([first["pid"]]) == []
     deployment = api.read(object_path("apps/v1", "Deployment", "local", "tiny"))
@@ -175,3 +180,31 @@ def test_new_configuration_restarts_with_the_rendered_args_and_scales(platforms,
     platform.loop.call_soon_threadsafe(platform.loop.stop)
     platform.thread.join(timeout=10)
     wait_for(lambda: leftovers([one["pid"]]) == [], timeout=20, what="the orphaned replica to exit")
+
+
+def test_a_new_configuration_rolls_over_under_traffic_without_dropping_a_request(platforms, tiny_llama):
+    """maxSurge 1 / maxUnavailable 0: the new replica starts beside the old one, the door moves to it
+    once it is ready, the old one stops only then. Traffic through the door across the whole rollover:
+    nothing refused, nothing cut short, and both replicas served part of it."""
+    isvc = tiny_isvc(tiny_llama, replicas=1)
+    isvc["spec"]["rollout"] = {"maxSurge": 1, "maxUnavailable": 0}
+    platform = platforms(isvc)
+    (old,) = wait_for(lambda: platform.ready_replicas(1), timeout=START_S, what="a ready replica")
+    traffic = Traffic(platform.url).start()
+    try:
+        wait_for(lambda: traffic.completed >= 3, timeout=START_S, what="traffic on the first replica")
+        override_memory_fraction(platform, 0.6)
+        (new,) = wait_for(lambda: platform.ready_replicas(1), timeout=START_S, what="the rolled-over replica")
+        assert new["name"] != old["name"]
+        assert new["args"][new["args"].index("--gpu-memory-utilization") + 1] == "0.6"
+        wait_for(lambda: leftovers([old["pid"]]) == [], timeout=60, what="the old replica to exit")
+        served_new = lambda: platform.status()["frontDoor"]["served"].get(new["url"], 0)  # noqa: E731
+        wait_for(lambda: served_new() >= 3, timeout=START_S, what="traffic on the new replica")
+    finally:
+        traffic.stop()
+    dropped = (traffic.by_kind["refused"], traffic.by_kind["cut_short"])
+    assert dropped == (0, 0), (traffic.refused, traffic.cut_short)
+    served = platform.status()["frontDoor"]["served"]
+    assert served[old["url"]] >= 3 and served[new["url"]] >= 3, served
+    assert sum(served.values()) == traffic.completed
+    assert traffic.by_kind["completed"] == traffic.completed

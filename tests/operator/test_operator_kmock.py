@@ -11,7 +11,7 @@ import copy
 import json
 import socket
 import subprocess
-import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -19,6 +19,7 @@ import yaml
 
 from kvpilot.operator.api import names
 from tests.operator.conftest import BASE_ISVC, CHART, find_tool, wait_for
+from tests.operator.crd_schema import admit
 
 NS = "team-a"
 ISVCS = f"/apis/{names.API_VERSION}/namespaces/{NS}/inferenceservices"
@@ -96,6 +97,17 @@ def delete_afterwards(api):
         api.delete(isvc_path(item["metadata"]["name"]))
 
 
+def wait_for_passes(api, name: str, count: int) -> None:
+    """Wait until at least ``count`` reconcile passes over ``name`` begun after the call have finished.
+
+    Every pass, valid spec or not, reads the live Deployment once, and passes over one object never
+    overlap: the operator's (count + 2)-th read from now starts after ``count`` such passes ended.
+    """
+    path = child_path("Deployment", name)
+    start = api.reads(path)
+    wait_for(lambda: api.reads(path) >= start + count + 2, what=f"{count} reconcile passes over {name}")
+
+
 def create_and_wait(api, isvc: dict) -> dict:
     api.create(ISVCS, isvc)
     name = isvc["metadata"]["name"]
@@ -132,7 +144,8 @@ def test_create_makes_owned_children_and_status(api, operator):
     assert condition(isvc, "SpecValid")["status"] == "True"
     # Status goes through the status subresource; the spec is never written by the operator.
     assert ("PATCH", isvc_path("create") + "/status") in api.writes
-    assert isvc["spec"] == new_isvc("create")["spec"]
+    schema = api.crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert isvc["spec"] == admit(new_isvc("create"), schema)[0]["spec"]  # as created, CRD defaults filled
     assert not isvc["metadata"].get("finalizers"), "no finalizer: deletion never waits for the operator"
     normal = {e["reason"] for e in events_for(api, "create") if e["type"] == "Normal"}
     assert {"Created"} <= normal
@@ -192,9 +205,9 @@ def test_a_settled_object_costs_no_writes(api, operator):
     create_and_wait(api, new_isvc("quiet"))
     mark_rolled_out(api, "quiet", ready=2)
     wait_for(lambda: api.get(isvc_path("quiet"))["status"]["phase"] == "Ready", what="Ready")
-    time.sleep(0.5)  # let in-flight event handling finish
+    wait_for_passes(api, "quiet", 1)  # whatever was in flight when Ready showed has finished
     before = len(api.writes)
-    time.sleep(3.5)  # three resync passes over every object in the namespace
+    wait_for_passes(api, "quiet", 3)
     assert api.writes[before:] == []
     assert operator.proc.poll() is None
 
@@ -239,10 +252,75 @@ def test_hand_edits_of_the_engine_deployment_are_restored_with_one_write(api, op
     assert template["metadata"]["labels"] == rendered["spec"]["template"]["metadata"]["labels"]
 
 
+def test_other_managers_fields_survive_a_reconcile_and_dropped_fields_go(api, operator):
+    """Server-side apply: the operator owns what it renders, nothing else."""
+    create_and_wait(api, new_isvc("managed", pod={"annotations": {"example.com/team": "search"}}))
+    path = child_path("Deployment", "managed")
+    assert api.get(path)["spec"]["template"]["metadata"]["annotations"]["example.com/team"] == "search"
+    api.request(  # kubectl annotate deployment managed example.com/on-call=alice
+        "PATCH",
+        path + "?fieldManager=kubectl-annotate",
+        {"metadata": {"annotations": {"example.com/on-call": "alice"}}},
+        "application/merge-patch+json",
+    )
+    # The user drops the pod annotation and changes an engine value: the operator re-applies.
+    api.merge_patch(isvc_path("managed"), {"spec": {"pod": None, "engine": {"maxNumSeqs": 64}}})
+    live = wait_for(lambda: "64" in args_of(d := api.get(path)) and d, what="the re-rendered Deployment")
+    assert "example.com/team" not in live["spec"]["template"]["metadata"]["annotations"]
+    assert live["metadata"]["annotations"]["example.com/on-call"] == "alice"
+    managers = {(e["manager"], e["operation"]): e["fieldsV1"] for e in live["metadata"]["managedFields"]}
+    assert managers[("kubectl-annotate", "Update")] == {
+        "f:metadata": {"f:annotations": {"f:example.com/on-call": {}}}
+    }
+    assert "f:spec" in managers[(names.FIELD_MANAGER, "Apply")]
+
+
+def test_a_410_gone_watch_relists_and_resumes_without_double_action(api, operator):
+    create_and_wait(api, new_isvc("relist"))
+    mark_rolled_out(api, "relist", ready=2)
+    wait_for(lambda: api.get(isvc_path("relist"))["status"]["phase"] == "Ready", what="Ready")
+    wait_for_passes(api, "relist", 1)
+    path = child_path("Deployment", "relist")
+    restarts = operator.log.count("Restarting the watch-stream for inferenceservices")
+    before = len(api.writes)
+    first_served = api.expire_watches()
+    wait_for(
+        lambda: operator.log.count("Restarting the watch-stream for inferenceservices") > restarts,
+        what="kopf to take the 410 Gone",
+    )
+    wait_for(
+        lambda: any(v and int(v) > first_served for v in api.watches(ISVCS)),
+        what="a watch resumed from a fresh list",
+    )
+    wait_for_passes(api, "relist", 2)
+    assert [w for w in api.writes[before:] if w[1] == path] == [], "a re-list alone changes nothing"
+    # The next change is handled once: one apply of the Deployment.
+    api.merge_patch(isvc_path("relist"), {"spec": {"engine": {"maxNumSeqs": 64}}})
+    wait_for(lambda: "64" in args_of(api.get(path)), what="the change applied")
+    wait_for_passes(api, "relist", 2)
+    assert [w for w in api.writes[before:] if w[1] == path] == [("PATCH", path)]
+
+
+def test_a_spec_the_crd_rejects_never_reaches_the_operator(api, operator):
+    """blockSize 24 is outside the CRD's enum: the API server answers 422 naming the field."""
+    create_and_wait(api, new_isvc("rejected"))
+    before = api.get(isvc_path("rejected"))
+    with pytest.raises(urllib.error.HTTPError) as info:
+        api.merge_patch(isvc_path("rejected"), {"spec": {"engine": {"blockSize": 24}}})
+    assert info.value.code == 422
+    body = json.loads(info.value.read())
+    assert [c["field"] for c in body["details"]["causes"]] == ["spec.engine.blockSize"]
+    after = api.get(isvc_path("rejected"))
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert after["spec"] == before["spec"]
+
+
 def test_invalid_spec_sets_condition_and_warns_without_touching_pods(api, operator):
-    create_and_wait(api, new_isvc("invalid"))
+    # Passes the CRD's schema and CEL rules (a user can apply it) but not the operator's own checks:
+    # 8Gi of pod memory cannot hold 16 GiB of swapped KV blocks.
+    create_and_wait(api, new_isvc("invalid", resources={"memory": "8Gi"}))
     good = api.get(child_path("Deployment", "invalid"))
-    api.merge_patch(isvc_path("invalid"), {"spec": {"engine": {"blockSize": 24}}})
+    api.merge_patch(isvc_path("invalid"), {"spec": {"engine": {"preemptionMode": "swap", "swapSpace": 16}}})
     isvc = wait_for(
         lambda: (
             (o := api.get(isvc_path("invalid"))) and condition(o, "SpecValid").get("status") == "False" and o
@@ -250,7 +328,7 @@ def test_invalid_spec_sets_condition_and_warns_without_touching_pods(api, operat
         what="SpecValid=False",
     )
     message = condition(isvc, "SpecValid")["message"]
-    assert "blockSize must be a power of two, got 24" in message
+    assert "spec.resources.memory 8Gi cannot hold swapSpace 16 GiB" in message
     assert isvc["status"]["phase"] == "Failed" and isvc["status"]["observedGeneration"] == 2
     warnings = wait_for(
         lambda: [
@@ -258,17 +336,17 @@ def test_invalid_spec_sets_condition_and_warns_without_touching_pods(api, operat
         ],
         what="a Warning event",
     )
-    assert "blockSize" in warnings[0]["message"]
-    time.sleep(1.5)  # a resync pass: no second event for the same problem, pods keep the last valid config
+    assert "swapSpace" in warnings[0]["message"]
+    wait_for_passes(api, "invalid", 2)  # resync passes: no second event, pods keep the last valid config
     assert len([e for e in events_for(api, "invalid") if e["reason"] == "InvalidSpec"]) == 1
     assert api.get(child_path("Deployment", "invalid"))["spec"] == good["spec"]
     assert operator.proc.poll() is None, "an invalid spec must not crash the operator"
-    api.merge_patch(isvc_path("invalid"), {"spec": {"engine": {"blockSize": 32}}})
+    api.merge_patch(isvc_path("invalid"), {"spec": {"engine": {"swapSpace": 4}}})
     wait_for(
         lambda: condition(api.get(isvc_path("invalid")), "SpecValid").get("status") == "True",
         what="valid again",
     )
-    assert "--block-size" in args_of(api.get(child_path("Deployment", "invalid")))
+    assert "--swap-space" in args_of(api.get(child_path("Deployment", "invalid")))
 
 
 def test_foreign_object_with_the_same_name_is_left_alone(api, operator):
@@ -318,27 +396,29 @@ def test_remediation_overrides_in_status_reach_the_pods(api, operator):
 
 
 def test_deletion_leaves_nothing_behind(api, operator):
+    create_and_wait(api, new_isvc("witness"))  # its passes prove resyncs ran after the deletion
     create_and_wait(api, new_isvc("gone"))
     api.delete(isvc_path("gone"))
     wait_for(lambda: api.get(isvc_path("gone")) is None, what="the InferenceService to go")
     for kind in ("Deployment", "Service", "PodDisruptionBudget"):
         wait_for(lambda k=kind: api.get(child_path(k, "gone")) is None, what=f"the {kind} to be collected")
-    time.sleep(1.5)  # a resync pass must not resurrect anything
+    wait_for_passes(api, "witness", 2)  # resync passes over the namespace must not resurrect anything
     assert api.get(child_path("Deployment", "gone")) is None
+    assert api.get(child_path("Service", "gone")) is None
 
 
 def test_restarted_operator_resumes_without_writing(api, operator, start_operator):
     create_and_wait(api, new_isvc("resume"))
     mark_rolled_out(api, "resume", ready=2)
     wait_for(lambda: api.get(isvc_path("resume"))["status"]["phase"] == "Ready", what="Ready")
-    time.sleep(0.5)
+    wait_for_passes(api, "resume", 1)  # whatever was in flight when Ready showed has finished
     assert operator.stop() == 0, "SIGTERM stops the operator cleanly"
     before = len(api.writes)
     port = free_port()
     liveness = f"http://127.0.0.1:{port}/healthz"
-    restarted = start_operator([], ["--all-namespaces", "--resync-interval", "30", "--liveness", liveness])
+    restarted = start_operator([], ["--all-namespaces", "--resync-interval", "1", "--liveness", liveness])
     wait_for(lambda: "Resuming is processed" in restarted.log, what="the resume pass")
-    time.sleep(1.0)
+    wait_for_passes(api, "resume", 2)  # and resync passes after it
     writes = [w for w in api.writes[before:] if not w[1].endswith("/events")]
     assert writes == [], "a resume over unchanged objects writes nothing"
     with urllib.request.urlopen(liveness, timeout=5) as response:  # what the chart's livenessProbe calls

@@ -9,13 +9,21 @@ from typing import Any
 import pytest
 
 from kvpilot.operator.api.settings import resolve
-from kvpilot.operator.remediation.decision import Change, Decision
+from kvpilot.operator.remediation import decision as decision_names
+from kvpilot.operator.remediation.decision import APPLY, NONE, RECOMMEND_ACTION, Change, Decision
 from kvpilot.operator.remediation.metrics import Capacity, ModelShape, parse_scrape
 from kvpilot.operator.remediation.pods import Failure
 from kvpilot.operator.remediation.policy import decide
 from kvpilot.operator.remediation.series import PodSeries
 from kvpilot.operator.remediation.window import Interval, MetricWindow, summarize
 from tests.operator.engine_metrics import EngineMetrics
+
+# Every lever the decision module names (a constant in it whose value is a lever name).
+LEVERS = [
+    value
+    for name, value in vars(decision_names).items()
+    if name.isupper() and name.startswith(("RAISE_", "LOWER_", "ADD_", "REMOVE_", "REVERT"))
+]
 
 NOW = 1_750_000_000.0
 WINDOW_S, COOLDOWN_S = 120.0, 600.0
@@ -318,8 +326,14 @@ def test_decide(case: Case):
     assert decision.reason  # every decision explains itself
 
 
-def test_there_are_enough_cases():
+def test_the_cases_reach_every_lever_action_and_outcome_of_the_policy():
+    """What ``decide`` returns on the table, not what the table declares: a lever or an outcome the
+    policy can no longer reach (or a new one nobody tested) fails here."""
+    decisions = [decide(c.window, resolve(c.isvc), c.history, NOW) for c in CASES]
     assert len(CASES) >= 25
+    assert {d.lever for d in decisions if d.action != NONE} == set(LEVERS)
+    assert {d.action for d in decisions} == {NONE, APPLY, RECOMMEND_ACTION}
+    assert {d.exhausted for d in decisions} == {True, False}
 
 
 def test_decisions_are_pure_and_deterministic():

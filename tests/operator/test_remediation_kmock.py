@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import re
-import time
 
 import pytest
 
@@ -62,6 +61,20 @@ def condition(isvc: dict, type_: str) -> dict:
 def events(api, name: str, reason: str) -> list[dict]:
     listing = api.get(f"/api/v1/namespaces/{NS}/events") or {"items": []}
     return [e for e in listing["items"] if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+
+SCRAPE_INTERVAL = 0.25
+
+
+def wait_for_ticks(engine: ScriptedEngine, count: int) -> None:
+    """Wait until ``count`` remediation ticks that scraped ``engine`` after the call have finished.
+
+    Ticks never overlap and start at least ``SCRAPE_INTERVAL`` apart, so this also lets at least
+    ``count * SCRAPE_INTERVAL`` seconds pass; the scrape that opens the next tick proves the
+    ``count``-th one (its status write included) is done.
+    """
+    start = engine.requests
+    wait_for(lambda: engine.requests >= start + count + 1, what=f"{count} remediation ticks")
 
 
 class Cluster:
@@ -140,7 +153,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def operator(api, start_operator):
     proc = start_operator(
-        [NS], ["--resync-interval", "30", "--scrape-interval", "0.25", "--scrape-timeout", "0.5"]
+        [NS],
+        ["--resync-interval", "30", "--scrape-interval", str(SCRAPE_INTERVAL), "--scrape-timeout", "0.5"],
     )
     wait_for(lambda: "Initial authentication has finished" in proc.log, what="the operator to log in")
     return proc
@@ -212,7 +226,7 @@ def test_auto_storm_raises_the_memory_fraction_rolls_out_and_settles(api, cluste
     signals = isvc["status"]["signals"]
     assert (signals["preemptionsPerSecond"], signals["kvCacheUsage"]) == (0, 0.6)
     assert (signals["podsReporting"], signals["requestsRunning"], signals["requestsWaiting"]) == (1, 30, 0)
-    time.sleep(3.5)  # past the cooldown, with fresh full windows: nothing more to do
+    wait_for_ticks(calm, 15)  # past the 3 s cooldown, with fresh full 2 s windows: nothing more to do
     isvc = cluster.isvc("storm")
     assert len(isvc["status"]["remediations"]) == 1
     assert condition(isvc, "Remediating")["reason"] == "Stable"
@@ -221,7 +235,8 @@ def test_auto_storm_raises_the_memory_fraction_rolls_out_and_settles(api, cluste
 
 def test_recommend_changes_no_child(api, cluster, operator):
     before = cluster.create(new_isvc("advice", "Recommend"))
-    cluster.start_pod("advice", "advice-a", cluster.engine(rate=5.0, kv=0.97, waiting=2, running=40))
+    engine = cluster.engine(rate=5.0, kv=0.97, waiting=2, running=40)
+    cluster.start_pod("advice", "advice-a", engine)
     isvc = wait_for(
         lambda: cluster.isvc_with("advice", "recommendations"), timeout=20, what="a recommendation"
     )
@@ -229,7 +244,7 @@ def test_recommend_changes_no_child(api, cluster, operator):
     assert "overrides" not in isvc["status"].get("effective", {}) and "remediations" not in isvc["status"]
     assert condition(isvc, "Remediating")["reason"] == "Recommended"
     wait_for(lambda: events(api, "advice", "RemediationRecommended"), what="the Event")
-    time.sleep(1.0)
+    wait_for_ticks(engine, 4)  # more ticks over the same storm: still advice only
     after = cluster.deployment("advice")
     assert after["spec"] == before["spec"], "Recommend never changes a child"
     assert after["metadata"]["annotations"] == before["metadata"]["annotations"]
@@ -254,7 +269,7 @@ def test_stale_pod_blocks_action_until_it_reports_then_demand_adds_a_replica_wit
     pressure = condition(isvc, "KVCachePressure")
     assert (pressure["status"], pressure["reason"]) == ("Unknown", "InsufficientData")
     assert "HTTP 500" in pressure["message"]
-    time.sleep(2.5)  # more than a window with one pod of two silent: no action
+    wait_for_ticks(healthy, 10)  # more than the 2 s window with one pod of two silent: no action
     assert not cluster.isvc("demand")["status"].get("remediations")
 
     broken.fail = False

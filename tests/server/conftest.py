@@ -248,6 +248,19 @@ def queue_server(_servers) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
+def swap_server(server_model, tmp_path_factory):
+    """The pool server's tiny KV pool under swap preemption (started only by the tests that use it)."""
+    logs = tmp_path_factory.mktemp("swap-server-logs")
+    flags = ["--num-gpu-blocks-override", "8", "--max-model-len", "128", "--max-num-seqs", "4"]
+    flags += ["--no-enable-prefix-caching", "--preemption-mode", "swap", "--swap-space", "0.05"]
+    proc = ServerProcess(server_model, logs / "swap.log", flags)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
 def offline_llm(server_model):
     """The offline engine over the same checkpoint (the reference for greedy outputs)."""
     from kvpilot.engine import LLM

@@ -1,6 +1,6 @@
-"""AsyncEngine and the app in-process, over a real tiny engine: aborts free blocks at once, refused
-requests leave no trace, slow consumers get merged deltas, and a dead engine loop fails every waiter
-and turns /health to 503 instead of hanging."""
+"""AsyncEngine and the app in-process, over a real tiny engine: aborts stop generation and free the
+blocks, refused requests leave no trace, slow consumers get merged deltas, and a dead engine loop fails
+every waiter and turns /health to 503 instead of hanging."""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ async def wait_idle(engine: LLMEngine, timeout_s: float = 1.0) -> None:
 def test_abort_frees_blocks_at_once(engine):
     prompt = engine.tokenizer.encode("def handler(event, context):")
 
+    sampled: list[int] = []
+    engine.stat_loggers.append(lambda _sched, it: sampled.append(it.num_generation_tokens))
+
     async def main():
         ae = AsyncEngine(engine)
         ae.start()
@@ -50,10 +53,10 @@ def test_abort_frees_blocks_at_once(engine):
             first = await gen.__anext__()
             assert first.delta_token_ids[0]
             assert engine.block_manager.num_free_blocks < NUM_BLOCKS
-            t0 = time.monotonic()
             await gen.aclose()  # the consumer leaves: the request is aborted
-            await wait_idle(engine)
-            assert time.monotonic() - t0 < 1.0
+            # Generous wait (a loaded machine is slow); a request left to run would reach all 400 tokens.
+            await wait_idle(engine, timeout_s=60.0)
+            assert 1 <= sum(sampled) < 400, sum(sampled)
             assert engine.block_manager.num_free_blocks == NUM_BLOCKS
             assert ae.is_healthy
         finally:

@@ -1,12 +1,10 @@
 """``/metrics`` of a live server, parsed with prometheus-client's text parser: counters move by exactly
-what known traffic implies; preemptions under a tiny KV pool; aborts on client disconnect free the KV
-blocks within a second; a full waiting queue answers 503 with Retry-After."""
+what known traffic implies; preemptions under a tiny KV pool, in both preemption modes; aborts on client
+disconnect free the KV blocks; a full waiting queue answers 503 with Retry-After."""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 import uuid
 
 import httpx
@@ -18,6 +16,9 @@ from kvpilot.engine import metrics_names as names
 from .conftest import MODEL_NAME
 
 NO_EOS = {"extra_body": {"ignore_eos": True}}
+# How long an abort may take to show, generous for a loaded machine: the abort is proven by the
+# counters (finished_reason="abort", fewer tokens than asked for), not by how fast it happened.
+ABORT_WAIT_S = 30.0
 
 
 def delta(before, after, name: str, **labels) -> float:
@@ -105,8 +106,9 @@ def test_counters_move_by_exactly_the_traffic(server):
         assert after.value(gauge) == 0
 
 
-def test_preemption_under_a_tiny_pool_keeps_outputs_exact(pool_server):
-    """8 blocks x 16 tokens; four sequences that each grow to 3 blocks cannot all run at once."""
+def squeeze(pool_server):
+    """Four prompts greedily one at a time, then all four in one request on an 8-block pool (each grows to
+    3 blocks, so they must take turns). Returns the metrics before, between and after the two phases."""
     client = pool_server.client()
     prompts = [f"# job {i}\n" for i in range(4)]
     before = pool_server.metrics()
@@ -127,13 +129,32 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_exact(pool_server):
     assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == alone
     assert resp.usage.completion_tokens == 160
     assert delta(middle, after, names.NUM_PREEMPTIONS_TOTAL) >= 1
-    assert delta(middle, after, names.GENERATION_TOKENS_TOTAL) == 160  # recompute re-feeds, never re-samples
+    assert delta(middle, after, names.GENERATION_TOKENS_TOTAL) == 160  # preempted or not, never re-sampled
     assert delta(middle, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == 4
     assert after.value(names.KV_CACHE_USAGE_PERC) == 0.0
     assert after.value(names.NUM_REQUESTS_WAITING) == 0
+    return before, middle, after
 
 
-def test_stream_disconnect_aborts_and_frees_blocks_within_a_second(server):
+def test_preemption_under_a_tiny_pool_keeps_outputs_exact(pool_server):
+    """8 blocks x 16 tokens; four sequences that each grow to 3 blocks cannot all run at once."""
+    squeeze(pool_server)
+
+
+def test_swap_preemption_shows_in_metrics_and_recomputes_nothing(swap_server):
+    """The pool server's four-way squeeze under ``--preemption-mode swap``: the preemptions are counted,
+    the swapped sequences come back with their KV (the batch computes exactly the tokens the four
+    requests computed alone: nothing re-prefilled), outputs are exact and the CPU pool drains."""
+    cache = swap_server.metrics().labels(names.CACHE_CONFIG_INFO)
+    assert cache["preemption_mode"] == "swap" and int(cache["num_cpu_blocks"]) >= 8
+    before, middle, after = squeeze(swap_server)
+    computed = names.ITERATION_TOKENS_TOTAL + "_sum"
+    assert delta(middle, after, computed) == delta(before, middle, computed)
+    for gauge in (names.NUM_REQUESTS_SWAPPED, names.CPU_CACHE_USAGE_PERC):
+        assert after.value(gauge) == 0.0, gauge
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server):
     client = server.client()
     before = server.metrics()
     stream = client.completions.create(
@@ -150,8 +171,8 @@ def test_stream_disconnect_aborts_and_frees_blocks_within_a_second(server):
     assert running.value(names.NUM_REQUESTS_RUNNING) == 1
     assert running.value(names.KV_CACHE_USAGE_PERC) > 0
     stream.close()
-    server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=1.0)
-    server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=1.0)
+    server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=ABORT_WAIT_S)
+    server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=ABORT_WAIT_S)
     after = server.metrics()
     assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 1
     assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == 0
@@ -171,8 +192,8 @@ def test_non_streaming_client_timeout_aborts(server):
                 "ignore_eos": True,
             },
         )
-    server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=1.0)
-    server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=1.0)
+    server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=ABORT_WAIT_S)
+    server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=ABORT_WAIT_S)
     after = server.metrics()
     assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 1
     assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == 0
@@ -202,10 +223,10 @@ def test_full_waiting_queue_answers_503_with_retry_after(queue_server):
 
     # Leaving while still queued aborts too (nothing had been streamed yet).
     waiting.close()
-    queue_server.wait_metric(names.NUM_REQUESTS_WAITING, lambda v: v == 0, timeout_s=1.0)
+    queue_server.wait_metric(names.NUM_REQUESTS_WAITING, lambda v: v == 0, timeout_s=ABORT_WAIT_S)
     running.close()
-    queue_server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=1.0)
-    queue_server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=1.0)
+    queue_server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=ABORT_WAIT_S)
+    queue_server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=ABORT_WAIT_S)
     after = queue_server.metrics()
     assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 2
 
@@ -215,28 +236,22 @@ def test_full_waiting_queue_answers_503_with_retry_after(queue_server):
 
 
 def test_health_and_metrics_answer_while_the_engine_is_busy(server):
-    """A long generation must not block the operational endpoints (the loop runs on its own thread)."""
+    """A long generation must not block the operational endpoints (the loop runs on its own thread):
+    they answer while the generation is still streaming, not after it."""
     client = server.client()
-    done = threading.Event()
-
-    def generate():
-        try:
-            client.completions.create(
-                model=MODEL_NAME, prompt="busy", max_tokens=300, temperature=0.0, **NO_EOS
-            )
-        finally:
-            done.set()
-
-    worker = threading.Thread(target=generate)
-    worker.start()
+    before_length = server.metrics().value(names.REQUEST_SUCCESS_TOTAL, finished_reason="length")
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="busy", max_tokens=1900, temperature=0.0, stream=True, **NO_EOS
+    )
+    chunks = iter(stream)
     try:
-        server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 1, timeout_s=5.0)
-        latencies = []
+        assert next(chunks).choices[0].finish_reason is None
+        # Answers that waited for the generation's end would see it finished (running 0, counted).
         for _ in range(5):
-            t0 = time.monotonic()
-            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
-            latencies.append(time.monotonic() - t0)
-        assert max(latencies) < 1.0, latencies
+            assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+            busy = server.metrics()
+            assert busy.value(names.NUM_REQUESTS_RUNNING) == 1
+            assert busy.value(names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == before_length
     finally:
-        worker.join(timeout=60)
-    assert done.is_set()
+        stream.close()
+    server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=ABORT_WAIT_S)

@@ -5,6 +5,7 @@ within 5 s, no RSS growth beyond the margin) hold."""
 from __future__ import annotations
 
 import pytest
+
 from benchmarks.soak import SoakConfig, run_mode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
