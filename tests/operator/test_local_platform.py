@@ -78,15 +78,17 @@ def test_front_door_streams_balances_survives_a_crash_and_stop_leaves_nothing(pl
     # Streaming through the door gives what one replica answers directly (greedy: the same tokens).
     client = openai.OpenAI(base_url=platform.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "hello there"}]
+    # Long enough that the door relays chunks while the replica still generates: a consumer that lags
+    # behind a fast engine gets merged deltas, so a short answer may fairly arrive in one chunk.
     stream = client.chat.completions.create(
-        model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0, stream=True
+        model=MODEL_NAME, messages=messages, max_tokens=96, temperature=0, stream=True
     )
     chunks = list(stream)
     pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert sum(1 for p in pieces if p) >= 2, "tokens must arrive as separate chunks"
     assert chunks[-1].choices[0].finish_reason == "length"
     direct = openai.OpenAI(base_url=replicas[0]["url"] + "/v1", api_key="unused", max_retries=0)
-    answer = direct.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0)
+    answer = direct.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=96, temperature=0)
     assert "".join(pieces) == answer.choices[0].message.content
 
     # Concurrent requests spread over both replicas (each counted by the replica itself).
