@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[engine,operator,test,demo]'
 	touch $(STAMP)
 
-# KVPILOT_REQUIRE_TOOLS=1: tests that need helm/kubectl/hadolint fail (instead of skipping) when absent.
-test: $(STAMP) test-operator-prereqs
-	KVPILOT_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests
+# KVPILOT_REQUIRE_TOOLS=1: tests that need helm/kubectl/hadolint/promtool or vLLM fail (instead of
+# skipping) when absent. vLLM runs from its own virtual environment (mk/vllm.mk).
+test: $(STAMP) test-operator-prereqs vllm-venv
+	KVPILOT_REQUIRE_TOOLS=1 KVPILOT_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -30,4 +31,5 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .tools
 
 include mk/operator.mk
+include mk/vllm.mk
 include mk/demo.mk

@@ -178,6 +178,12 @@ class PrometheusStatLogger:
             names.MODEL_CONFIG_LABELS,
             model_config,
         )
+        info(
+            names.MODEL_CONFIG_INFO_ALIAS,
+            f"Deprecated alias of {names.MODEL_CONFIG_INFO}.",
+            names.MODEL_CONFIG_LABELS,
+            model_config,
+        )
 
         # Cumulative scheduler totals already exported (monotonic high-water marks).
         self._seen_preemptions = 0

@@ -51,7 +51,7 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # Not a vLLM metric: the model's shape, so the operator can pick valid parallel sizes with the engine's
 # own rule (kvpilot.engine.parallel.layout.allowed_tensor_parallel_sizes: heads, KV heads and the
 # intermediate size).
-MODEL_CONFIG_INFO = "kvpilot:model_config_info"
+MODEL_CONFIG_INFO = "kvpilot_model_config_info"  # ours alone: Prometheus naming (no ":")
 
 CACHE_CONFIG_LABELS = (
     "block_size",
@@ -87,9 +87,12 @@ DEPRECATED_ALIASES = {
     "vllm:gpu_prefix_cache_queries_total": PREFIX_CACHE_QUERIES_TOTAL,
     "vllm:gpu_prefix_cache_hits_total": PREFIX_CACHE_HITS_TOTAL,
     "vllm:time_per_output_token_seconds": INTER_TOKEN_LATENCY_SECONDS,
+    "kvpilot:model_config_info": MODEL_CONFIG_INFO,
 }
 GPU_CACHE_USAGE_PERC = "vllm:gpu_cache_usage_perc"
-EXPORTED_ALIASES = (GPU_CACHE_USAGE_PERC,)
+# The model info's name until 0.1 (a ":" name of ours): exported alongside for one release.
+MODEL_CONFIG_INFO_ALIAS = "kvpilot:model_config_info"
+EXPORTED_ALIASES = (GPU_CACHE_USAGE_PERC, MODEL_CONFIG_INFO_ALIAS)
 
 GAUGES = (
     NUM_REQUESTS_RUNNING,

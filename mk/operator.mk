@@ -27,3 +27,22 @@ $(TOOLS_DIR)/helm $(TOOLS_DIR)/kubectl &:
 # The operator's tests alone (the full suite runs them too).
 test-operator: $(STAMP) test-operator-prereqs
 	KVPILOT_REQUIRE_TOOLS=1 $(PY) -m pytest -q tests/operator
+
+# Prometheus and promtool for the observability tests (exposition checks, rules, a live server):
+# static Go binaries from Debian's `prometheus` package, unpacked without installing anything.
+PROMETHEUS_DEB ?= prometheus
+PROMETHEUS_TOOLS := $(TOOLS_DIR)/prometheus $(TOOLS_DIR)/promtool
+
+test-operator-prereqs: $(PROMETHEUS_TOOLS)
+
+$(TOOLS_DIR)/prometheus $(TOOLS_DIR)/promtool &:
+	@command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null || { \
+		echo "apt-get and dpkg-deb are needed to fetch prometheus and promtool (Debian's $(PROMETHEUS_DEB))"; exit 1; }
+	rm -rf $(TOOLS_DIR)/.prometheus && mkdir -p $(TOOLS_DIR)/.prometheus
+	cd $(TOOLS_DIR)/.prometheus && { apt-get download -q $(PROMETHEUS_DEB) >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null && apt-get download -q $(PROMETHEUS_DEB) >/dev/null; }; }
+	dpkg-deb -x $(TOOLS_DIR)/.prometheus/$(PROMETHEUS_DEB)_*.deb $(TOOLS_DIR)/.prometheus/root
+	cp $(TOOLS_DIR)/.prometheus/root/usr/bin/prometheus $(TOOLS_DIR)/.prometheus/root/usr/bin/promtool $(TOOLS_DIR)/
+	chmod +x $(PROMETHEUS_TOOLS)
+	$(TOOLS_DIR)/promtool --version >/dev/null
+	rm -rf $(TOOLS_DIR)/.prometheus

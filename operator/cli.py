@@ -14,12 +14,14 @@ from typing import Any
 
 import yaml
 
+from kvpilot.operator import leader
 from kvpilot.operator.api import names
-from kvpilot.operator.api.platform import DEFAULT_ENGINE_IMAGE, Platform, split_list
+from kvpilot.operator.api.platform import DEFAULT_ENGINE_IMAGE, DEFAULT_VLLM_IMAGE, Platform, split_list
 
 _GLOB_CHARS = set("*?[]!")
 # The chart passes its values to the operator through these (a flag wins over its variable).
 ENV_DEFAULT_IMAGE = "KVPILOT_DEFAULT_IMAGE"
+ENV_DEFAULT_VLLM_IMAGE = "KVPILOT_DEFAULT_VLLM_IMAGE"
 ENV_ALLOWED_REGISTRIES = "KVPILOT_ALLOWED_REGISTRIES"
 ENV_ALLOWED_SERVICE_ACCOUNTS = "KVPILOT_ALLOWED_SERVICE_ACCOUNTS"
 
@@ -32,6 +34,13 @@ def _add_default_image(parser: argparse.ArgumentParser) -> None:
         help=f"engine image for InferenceServices whose spec.image is unset (default: ${ENV_DEFAULT_IMAGE}, "
         f"else {DEFAULT_ENGINE_IMAGE})",
     )
+    parser.add_argument(
+        "--default-vllm-image",
+        default=None,
+        metavar="IMAGE",
+        help="image for InferenceServices with spec.runtime vllm whose spec.image is unset (default: "
+        f"${ENV_DEFAULT_VLLM_IMAGE}, else {DEFAULT_VLLM_IMAGE})",
+    )
 
 
 def platform_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Platform:
@@ -39,10 +48,14 @@ def platform_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
     Raises ValueError for an empty default image."""
     env = os.environ if environ is None else environ
     image = getattr(args, "default_image", None) or env.get(ENV_DEFAULT_IMAGE) or DEFAULT_ENGINE_IMAGE
+    vllm_image = (
+        getattr(args, "default_vllm_image", None) or env.get(ENV_DEFAULT_VLLM_IMAGE) or DEFAULT_VLLM_IMAGE
+    )
     registries = getattr(args, "allowed_registries", None)
     accounts = getattr(args, "allowed_service_accounts", None)
     return Platform(
         default_image=image,
+        default_vllm_image=vllm_image,
         allowed_registries=split_list(
             registries if registries is not None else env.get(ENV_ALLOWED_REGISTRIES)
         ),
@@ -118,6 +131,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="append every scrape to FILE as JSON Lines, /metrics text as served (~20 KiB per pod and "
         "scrape); replay them with `kvpilot replay --metrics FILE`",
     )
+    op.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve the operator's own Prometheus metrics (kvpilot_operator_*) at :PORT/metrics "
+        "(default: not served)",
+    )
+    op.add_argument(
+        "--metrics-address",
+        default="0.0.0.0",
+        metavar="ADDR",
+        help="the address --metrics-port binds (default: 0.0.0.0)",
+    )
+    op.add_argument(
+        "--metrics-source",
+        choices=["pods", "prometheus"],
+        default="pods",
+        help="where remediation reads the engines' metrics: scrape every ready pod (default), or query "
+        "the same series from Prometheus (--prometheus-url), where the operator may not reach the pods",
+    )
+    op.add_argument(
+        "--prometheus-url",
+        default=None,
+        metavar="URL",
+        help="the Prometheus HTTP API for --metrics-source prometheus, e.g. "
+        "http://prometheus-operated.monitoring:9090 (engine series labelled namespace and pod)",
+    )
     _add_default_image(op)
     op.add_argument(
         "--allowed-registries",
@@ -134,6 +175,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         f"default: ${ENV_ALLOWED_SERVICE_ACCOUNTS}, else any); others get SpecValid=False",
     )
     op.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
+    leader.add_arguments(op)
     op.add_argument("--log-format", choices=["plain", "full", "json"], default="full", help="log format")
     op.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     op.set_defaults(func=run_operator)
@@ -190,6 +232,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--changes-only", action="store_true", help="table output: only evaluations that change something"
     )
     replay.set_defaults(func=run_replay)
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
+    return port
 
 
 def _positive_seconds(value: str) -> float:
@@ -308,6 +360,17 @@ def run_operator(args: argparse.Namespace) -> int:
             f"error: namespace patterns are not supported, name namespaces exactly: {globs}", file=sys.stderr
         )
         return 2
+    if args.metrics_source == "prometheus":
+        from kvpilot.operator.observability.promsource import PrometheusUrlError, check_url
+
+        try:
+            check_url(args.prometheus_url or "")
+        except PrometheusUrlError as exc:
+            print(f"error: --metrics-source prometheus needs --prometheus-url: {exc}", file=sys.stderr)
+            return 2
+    elif args.prometheus_url:
+        print("error: --prometheus-url is only read with --metrics-source prometheus", file=sys.stderr)
+        return 2
     if args.record:
         try:
             open(args.record, "a", encoding="utf-8").close()
@@ -328,10 +391,14 @@ def run_operator(args: argparse.Namespace) -> int:
         scrape_timeout=args.scrape_timeout,
         record=args.record,
         platform=platform_from(args),
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
+        metrics_source=args.metrics_source,
+        prometheus_url=args.prometheus_url,
     )
     log_format = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
     kopf.configure(verbose=args.verbose, log_format=log_format[args.log_format])
-    kopf.run(
+    run_kwargs = dict(
         registry=build_registry(options),
         memo=new_memo(),
         clusterwide=options.clusterwide,
@@ -341,4 +408,15 @@ def run_operator(args: argparse.Namespace) -> int:
         priority=args.priority,
         liveness_endpoint=args.liveness,
     )
+    if args.leader_elect:
+        if args.peering is not None:
+            print("error: --leader-elect and --peering both coordinate replicas: pick one", file=sys.stderr)
+            return 2
+        try:
+            config = leader.config_from(args)
+        except leader.LeaderElectionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return leader.run_elected(config, run_kwargs)
+    kopf.run(**run_kwargs)
     return 0

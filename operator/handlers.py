@@ -29,6 +29,7 @@ import kopf
 from kvpilot.operator.api import names
 from kvpilot.operator.api.rest import ApiError
 from kvpilot.operator.kube import KubeClient
+from kvpilot.operator.observability import MetricsServer, OperatorMetrics
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile.reconciler import Outcome, Reconciler, post_event
 from kvpilot.operator.remediation.loop import Autotuner
@@ -84,13 +85,23 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         async def emit(isvc: dict, type_: str, reason: str, message: str) -> None:
             await post_event(memo.kube, isvc, type_, reason, message, LOG)
 
+        memo.metrics = OperatorMetrics()
+        memo.metrics_server = None
+        if options.metrics_port is not None:
+            server = MetricsServer(memo.metrics.registry, options.metrics_port, options.metrics_address)
+            memo.metrics_server = server.start()
+            LOG.info(f"operator metrics at http://{options.metrics_address}:{server.port}/metrics")
         memo.reconciler = Reconciler(
-            memo.kube, emit, service_monitors=options.service_monitors, platform=options.platform
+            memo.kube,
+            emit,
+            service_monitors=options.service_monitors,
+            platform=options.platform,
+            metrics=memo.metrics,
         )
         memo.resync = asyncio.create_task(
             memo.reconciler.resync_forever(options.scopes, options.resync_interval, LOG)
         )
-        memo.autotuner = Autotuner(memo.kube, options, memo.reconciler)
+        memo.autotuner = Autotuner(memo.kube, options, memo.reconciler, metrics=memo.metrics)
         memo.remediation = asyncio.create_task(memo.autotuner.run_forever(LOG))
 
     @kopf.on.login(id="login", registry=registry)
@@ -110,6 +121,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                 await task
         await memo.autotuner.close()
         await memo.kube.close()
+        if memo.metrics_server is not None:
+            memo.metrics_server.close()
 
     @kopf.on.resume(*ISVC, id="reconcile", registry=registry)
     @kopf.on.create(*ISVC, id="reconcile", registry=registry)

@@ -10,6 +10,9 @@ import dataclasses
 
 from kvpilot.operator.api.platform import DEFAULT_PLATFORM, Platform
 
+METRICS_SOURCE_PODS, METRICS_SOURCE_PROMETHEUS = "pods", "prometheus"
+METRICS_SOURCES = (METRICS_SOURCE_PODS, METRICS_SOURCE_PROMETHEUS)
+
 
 @dataclasses.dataclass(frozen=True)
 class OperatorOptions:
@@ -18,7 +21,9 @@ class OperatorOptions:
     whether ServiceMonitors may be managed (RBAC). ``scrape_interval`` / ``scrape_timeout``: the
     remediation loop's period and per-pod timeout, in seconds. ``record``: a file to append every scrape
     to (``kvpilot replay`` reads it). ``platform``: the default engine image and the allowlists every
-    InferenceService is resolved with."""
+    InferenceService is resolved with. ``metrics_port`` / ``metrics_address``: where the operator serves
+    its own ``/metrics`` (None: not served). ``metrics_source``: ``pods`` (scrape each engine pod) or
+    ``prometheus`` (the same series by PromQL from ``prometheus_url``)."""
 
     namespaces: tuple[str, ...] = ()
     clusterwide: bool = False
@@ -29,6 +34,16 @@ class OperatorOptions:
     scrape_timeout: float = 3.0
     record: str | None = None
     platform: Platform = DEFAULT_PLATFORM
+    metrics_port: int | None = None
+    metrics_address: str = "0.0.0.0"
+    metrics_source: str = "pods"
+    prometheus_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics_source not in METRICS_SOURCES:
+            raise ValueError(f"metrics_source must be one of {METRICS_SOURCES}, got {self.metrics_source!r}")
+        if self.metrics_source == METRICS_SOURCE_PROMETHEUS and not self.prometheus_url:
+            raise ValueError("metrics_source prometheus needs prometheus_url")
 
     @property
     def scopes(self) -> list[str | None]:

@@ -48,9 +48,24 @@ MODEL_MOUNT = "/mnt/models"
 HF_HOME = "/var/cache/huggingface"
 TMP_MOUNT = "/tmp"
 SHM_MOUNT = "/dev/shm"
+MANAGED_MOUNTS = (TMP_MOUNT, SHM_MOUNT, MODEL_MOUNT, HF_HOME)
+# Volumes of the engine pod the operator manages (spec.extraVolumes cannot replace them).
+VOLUME_TMP = "tmp"
+VOLUME_SHM = "dshm"
+VOLUME_MODEL = "model"
+VOLUME_HF_CACHE = "hf-cache"
+MANAGED_VOLUMES = frozenset({VOLUME_TMP, VOLUME_SHM, VOLUME_MODEL, VOLUME_HF_CACHE})
+# Server flags of `kvpilot serve` the operator sets (spec.extraArgs cannot repeat them); every engine
+# argument's flag is managed too, through spec.engine.
+MANAGED_SERVER_FLAGS = frozenset({"--host", "--port", "--served-model-name", "--api-key"})
 
 # Environment variables the engine reads.
 ENV_HF_HOME = "HF_HOME"
 ENV_HF_TOKEN = "HF_TOKEN"
 ENV_API_KEY = "KVPILOT_API_KEY"
-MANAGED_ENV = frozenset({ENV_HF_HOME, ENV_HF_TOKEN, ENV_API_KEY, "TRITON_CACHE_DIR", "XDG_CACHE_HOME"})
+ENV_VLLM_API_KEY = "VLLM_API_KEY"  # the same for runtime vllm
+MANAGED_ENV = frozenset(
+    {ENV_HF_HOME, ENV_HF_TOKEN, ENV_API_KEY, ENV_VLLM_API_KEY, "TRITON_CACHE_DIR", "XDG_CACHE_HOME"}
+)
+# Set by the operator in vLLM containers only (an unprivileged user's home on the /tmp volume).
+MANAGED_ENV_VLLM = MANAGED_ENV | {"HOME"}

@@ -2,9 +2,11 @@
 
 ``Platform.default_image`` is the engine image pods run when ``spec.image`` is unset (``kvpilot
 operator --default-image``, the chart's ``engine.defaultImage``; by default the engine image built for
-this version). ``allowed_registries`` / ``allowed_service_accounts`` are optional allowlists: creating an
-InferenceService lets its author run pods with an image and a service account of their choosing, as a
-Deployment would, and a platform team may narrow that. An object outside them gets ``SpecValid=False``
+this version); ``default_vllm_image`` is the same for ``spec.runtime: vllm`` (``--default-vllm-image``;
+by default the vLLM release the operator is tested against). ``allowed_registries`` /
+``allowed_service_accounts`` are optional allowlists: creating an InferenceService lets its author run
+pods with an image and a service account of their choosing, as a Deployment would, and a platform team
+may narrow that. An object outside them gets ``SpecValid=False``
 with the reason, and nothing is rendered.
 """
 
@@ -17,6 +19,8 @@ from typing import Any
 from kvpilot import __version__
 
 DEFAULT_ENGINE_IMAGE = f"ghcr.io/kvpilot/engine:{__version__}"
+# The upstream vLLM release the ``runtime: vllm`` path is tested against (its OpenAI server image).
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
 
 
 def image_registry(image: str) -> str:
@@ -35,10 +39,17 @@ class Platform:
     default_image: str = DEFAULT_ENGINE_IMAGE
     allowed_registries: tuple[str, ...] = ()
     allowed_service_accounts: tuple[str, ...] = ()
+    default_vllm_image: str = DEFAULT_VLLM_IMAGE
 
     def __post_init__(self) -> None:
         if not self.default_image:
             raise ValueError("the default engine image must not be empty")
+        if not self.default_vllm_image:
+            raise ValueError("the default vLLM image must not be empty")
+
+    def image_for(self, runtime: str) -> str:
+        """The image pods of ``runtime`` (``kvpilot`` | ``vllm``) run when ``spec.image`` is unset."""
+        return self.default_vllm_image if runtime == "vllm" else self.default_image
 
     def problems(self, spec: Mapping[str, Any]) -> list[str]:
         """Why ``spec`` (defaults applied, image filled in) is outside the allowlists; empty: inside."""

@@ -126,14 +126,14 @@ class Settings:
 def resolve(isvc: Any, platform: Platform = DEFAULT_PLATFORM) -> Settings:
     """Apply the defaults to ``isvc``'s spec, validate it and resolve its effective configuration.
 
-    ``platform``: the operator's configuration; its ``default_image`` fills an unset ``spec.image``
-    and its allowlists are checked. Never raises for a manifest of any shape: what is wrong is in
-    ``Settings.problems``.
+    ``platform``: the operator's configuration; its default image for the spec's runtime fills an
+    unset ``spec.image`` and its allowlists are checked. Never raises for a manifest of any shape:
+    what is wrong is in ``Settings.problems``.
     """
     raw = isvc.get("spec") if isinstance(isvc, dict) else None
     spec = apply_defaults(raw) if isinstance(raw, dict) else {}
     if isinstance(raw, dict) and raw.get("image") is None:
-        spec["image"] = platform.default_image
+        spec["image"] = platform.image_for(str(spec.get("runtime") or "kvpilot"))
     problems = tuple(spec_problems(isvc, spec))
     if not problems:
         problems = tuple(platform.problems(spec))

@@ -27,6 +27,7 @@ ENGINE_KEYS: dict[str, dataclasses.Field] = {
 
 DEFAULTS: dict[str, Any] = {
     "imagePullPolicy": "IfNotPresent",
+    "runtime": "kvpilot",
     "replicas": 1,
     "resources": {"gpusPerReplica": 1, "gpuResource": "nvidia.com/gpu"},
     "pod": {"terminationGracePeriodSeconds": 120},

@@ -14,9 +14,10 @@ import difflib
 import re
 from typing import Any
 
-from kvpilot.engine.config import EngineArgs, crd_key
+from kvpilot.engine.config import EngineArgs, crd_key, flag_name
 from kvpilot.engine.errors import ConfigError
 from kvpilot.operator.api import names
+from kvpilot.operator.api import runtime as runtimes
 from kvpilot.operator.api.effective import Effective
 from kvpilot.operator.api.spec import (
     DEFAULTS,
@@ -31,6 +32,31 @@ from kvpilot.operator.api.spec import (
 # Service names are DNS-1035 labels; the Deployment, Service and PDB all take the object's name.
 _DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_EXTRA_ARG = re.compile(r"--([a-z0-9][-a-z0-9]*)(=[^\x00-\x1f\x7f]*)?")
+# $(VAR) that the kubelet would expand in container args ($$ escapes a dollar).
+_KUBELET_EXPANSION = re.compile(r"(?<!\$)(\$\$)*\$\(")
+_VOLUME_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Flag -> the spec field that sets it: every engine argument's flag (and its --no- form) and the
+# server flags the operator renders. spec.extraArgs may name none of them.
+_MANAGED_FLAGS = {
+    **{flag_name(f.name): f"spec.engine.{key}" for key, f in ENGINE_KEYS.items()},
+    **{"--no-" + flag_name(f.name)[2:]: f"spec.engine.{key}" for key, f in ENGINE_KEYS.items()},
+    **{flag: "the operator (fixed)" for flag in names.MANAGED_SERVER_FLAGS},
+    "--api-key": "spec.apiKeySecretRef",
+    "--served-model-name": "spec.model.name",
+    "--tokenizer": "spec.model.source",
+}
+# The same for runtime vllm: the vLLM flags the operator renders.
+_MANAGED_VLLM_FLAGS = {
+    **{flag: f"spec.engine.{key}" for key, flag in runtimes.VLLM_FLAGS.items()},
+    **{"--no-" + flag[2:]: f"spec.engine.{key}" for key, flag in runtimes.VLLM_FLAGS.items()},
+    **{flag: "the operator (fixed)" for flag in names.MANAGED_SERVER_FLAGS},
+    "--model": "spec.model.source",
+    "--download-dir": "spec.model.cache",
+    "--api-key": "spec.apiKeySecretRef",
+    "--served-model-name": "spec.model.name",
+    "--tokenizer": "spec.model.source",
+}
 # Fallbacks for a manifest read from a file whose remediation objects are not objects.
 _LIMITS = DEFAULTS["remediation"]["limits"]
 _THRESHOLDS = DEFAULTS["remediation"]["thresholds"]
@@ -127,11 +153,13 @@ def _resource_problems(spec: dict[str, Any], engine: dict[str, Any]) -> list[str
 
 def _misc_problems(spec: dict[str, Any]) -> list[str]:
     problems = []
+    vllm_pods = spec.get("runtime") == runtimes.RUNTIME_VLLM
+    managed_env = names.MANAGED_ENV_VLLM if vllm_pods else names.MANAGED_ENV
     for index, item in enumerate(spec.get("env") or []):
         name = (item or {}).get("name", "")
         if not _ENV_NAME.match(name):
             problems.append(f"spec.env[{index}].name {name!r} is not a valid environment variable name")
-        elif name in names.MANAGED_ENV:
+        elif name in managed_env:
             problems.append(f"spec.env[{index}].name {name} is set by the operator; use the dedicated field")
     rollout = spec.get("rollout") or {}
     if rollout.get("maxSurge") in (0, "0%") and rollout.get("maxUnavailable") in (0, "0%"):
@@ -166,6 +194,89 @@ def _misc_problems(spec: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _extra_arg_problems(spec: dict[str, Any]) -> list[str]:
+    extra = spec.get("extraArgs")
+    if extra is None:
+        return []
+    if not isinstance(extra, list):
+        return ["spec.extraArgs must be a list of flags"]
+    managed = _MANAGED_VLLM_FLAGS if spec.get("runtime") == runtimes.RUNTIME_VLLM else _MANAGED_FLAGS
+    problems = []
+    for index, arg in enumerate(extra):
+        where = f"spec.extraArgs[{index}]"
+        match = _EXTRA_ARG.fullmatch(arg) if isinstance(arg, str) else None
+        if not match:
+            problems.append(
+                f"{where} {arg!r} is not a flag: use --name or --name=value (no control characters; "
+                "each list item is one argument, no shell reads them)"
+            )
+            continue
+        flag = f"--{match.group(1)}"
+        if flag in managed:
+            problems.append(f"{where} {flag} is set by the operator: use {managed[flag]}")
+        elif _KUBELET_EXPANSION.search(arg):
+            problems.append(
+                f"{where} {arg!r}: the kubelet expands $(VAR) in container args; write $$( instead"
+            )
+    return problems
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _extra_volume_problems(spec: dict[str, Any]) -> list[str]:
+    volumes = spec.get("extraVolumes") or []
+    mounts = spec.get("extraVolumeMounts") or []
+    if not isinstance(volumes, list) or not isinstance(mounts, list):
+        return ["spec.extraVolumes and spec.extraVolumeMounts must be lists"]
+    problems = []
+    declared: set[str] = set()
+    for index, volume in enumerate(volumes):
+        name = volume.get("name") if isinstance(volume, dict) else None
+        where = f"spec.extraVolumes[{index}]"
+        if not isinstance(name, str) or not _VOLUME_NAME.match(name) or len(name) > 63:
+            problems.append(f"{where}.name {name!r} must be a DNS-1123 label")
+        elif name in names.MANAGED_VOLUMES:
+            managed = ", ".join(sorted(names.MANAGED_VOLUMES))
+            problems.append(f"{where}.name {name} is one of the operator's own volumes ({managed})")
+        elif name in declared:
+            problems.append(f"{where}.name {name} is declared twice")
+        else:
+            declared.add(name)
+            if len(volume) < 2:
+                problems.append(f"{where} ({name}) names no volume source (configMap, secret, ...)")
+    seen_paths: set[str] = set()
+    for index, mount in enumerate(mounts):
+        where = f"spec.extraVolumeMounts[{index}]"
+        if not isinstance(mount, dict):
+            problems.append(f"{where} must be an object")
+            continue
+        if mount.get("name") not in declared:
+            problems.append(f"{where}.name {mount.get('name')!r} is not one of spec.extraVolumes")
+        path = mount.get("mountPath")
+        if not isinstance(path, str) or not path.startswith("/") or ".." in path.split("/") or path == "/":
+            problems.append(f"{where}.mountPath {path!r} must be an absolute path below / without '..'")
+            continue
+        path = path.rstrip("/")
+        clash = [m for m in names.MANAGED_MOUNTS if _under(path, m) or _under(m, path)]
+        if clash:
+            problems.append(f"{where}.mountPath {path} overlaps the operator's mount {clash[0]}")
+        elif path in seen_paths:
+            problems.append(f"{where}.mountPath {path} is mounted twice")
+        seen_paths.add(path)
+    return problems
+
+
+def _runtime_problems(spec: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    runtime = spec.get("runtime", runtimes.RUNTIME_KVPILOT)
+    if runtime not in runtimes.RUNTIMES:
+        return [f"spec.runtime must be one of {', '.join(runtimes.RUNTIMES)}; got {runtime!r}"]
+    if runtime == runtimes.RUNTIME_VLLM:
+        return runtimes.unsupported_engine_keys(engine)
+    return []
+
+
 def spec_problems(isvc: Any, spec: dict[str, Any]) -> list[str]:
     """Every reason the object ``isvc`` and its ``spec`` (with its defaults applied) cannot be
     reconciled, the status overrides aside; an empty list when they are valid."""
@@ -194,6 +305,9 @@ def spec_problems(isvc: Any, spec: dict[str, Any]) -> list[str]:
     problems += _engine_problems(engine, "spec.engine")
     problems += _resource_problems(spec, engine)
     problems += _misc_problems(spec)
+    problems += _runtime_problems(spec, engine)
+    problems += _extra_arg_problems(spec)
+    problems += _extra_volume_problems(spec)
     return problems
 
 

@@ -35,10 +35,12 @@ import yaml
 
 from kvpilot.operator.api import names
 from kvpilot.operator.api.rest import object_path
+from kvpilot.operator.api.runtime import RUNTIME_VLLM
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import ModelSourceError, parse_model_source
 from kvpilot.operator.local.api import LocalApi
 from kvpilot.operator.local.frontdoor import STATUS_PATH, FrontDoor
+from kvpilot.operator.local.process import ENV_VLLM_PYTHON, RuntimeMissing, find_vllm_python
 from kvpilot.operator.local.replicas import LocalKubelet
 from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile.reconciler import Reconciler
@@ -72,6 +74,7 @@ class LocalPlatform:
         record: str | None = None,
         status_interval: float = 10.0,
         gpu: bool | None = None,
+        vllm_python: str | None = None,
         logger: Any = LOG,
     ) -> None:
         self.isvc = prepare(isvc)
@@ -89,6 +92,7 @@ class LocalPlatform:
             log_dir,
             model_dir=model_dir,
             gpu=gpu,
+            vllm_python=vllm_python,
             logger=logger,
             on_change=self.reconcile,
         )
@@ -304,6 +308,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="log a status line this often (default: %(default)s)",
     )
+    up.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="for spec.runtime vllm: the Python interpreter that has vLLM installed (default: "
+        f"${ENV_VLLM_PYTHON}, else this interpreter if it can import vllm)",
+    )
     up.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     up.set_defaults(func=run_up)
 
@@ -322,8 +333,15 @@ def run_up(args: argparse.Namespace) -> int:
     except (OSError, yaml.YAMLError, ValueError) as exc:
         print(f"error: cannot read {args.filename}: {exc}", file=sys.stderr)
         return 1
-    problems = list(resolve(isvc).problems)
+    settings = resolve(isvc)
+    problems = list(settings.problems)
     problem = local_model_problem(isvc, args.model)
+    vllm_python = None
+    if not problems and settings.spec.get("runtime") == RUNTIME_VLLM:
+        try:
+            vllm_python = find_vllm_python(args.vllm_python)
+        except RuntimeMissing as exc:
+            problems.append(str(exc))
     for line in problems + ([problem] if problem else []):
         print(f"error: {line}", file=sys.stderr)
     if problems or problem:
@@ -347,6 +365,7 @@ def run_up(args: argparse.Namespace) -> int:
         scrape_timeout=args.scrape_timeout,
         record=args.record,
         status_interval=args.status_interval,
+        vllm_python=vllm_python,
     )
     return asyncio.run(_serve(platform, log_dir))
 

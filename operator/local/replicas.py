@@ -48,6 +48,7 @@ from kvpilot.operator.local.process import (
     local_args,
     local_env,
     log_tail,
+    replica_command,
     resolve_int_or_percent,
 )
 
@@ -74,6 +75,7 @@ class LocalKubelet:
         *,
         model_dir: str | None = None,
         gpu: bool | None = None,
+        vllm_python: str | None = None,
         logger: Any,
         on_change: Callable[[], Any] | None = None,
         grace_max_s: float = GRACE_MAX_S,
@@ -83,6 +85,7 @@ class LocalKubelet:
         self.deployment_path = object_path("apps/v1", "Deployment", namespace, name)
         self.log_dir = Path(log_dir)
         self.model_dir = model_dir
+        self.vllm_python = vllm_python
         self.gpu_ids = gpu_ids() if gpu is None else (["0"] if gpu else [])
         self.gpu = bool(self.gpu_ids)
         self.logger = logger
@@ -151,6 +154,7 @@ class LocalKubelet:
         (container,) = [c for c in template["spec"]["containers"] if c["name"] == names.ENGINE_CONTAINER]
         port = free_port()
         args, notes = local_args(container, port, model_dir=self.model_dir, gpu=self.gpu)
+        command = replica_command(container, self.vllm_python)
         env, env_notes = local_env(container)
         for note in notes + env_notes:
             self._note(note)
@@ -176,6 +180,7 @@ class LocalKubelet:
             log_path=self.log_dir / f"{name}.log",
             created=now,
             gpus=gpus,
+            command=command,
         )
         self.replicas.append(replica)
         self._spawn(replica)
@@ -188,7 +193,8 @@ class LocalKubelet:
             f"replica {replica.name}: started{again}, pid {replica.pid}, port {replica.port}, "
             f"log {replica.log_path}"
         )
-        self.logger.debug(f"replica {replica.name}: kvpilot serve {' '.join(replica.args)}")
+        command = " ".join(replica.command) if replica.command else "kvpilot serve"
+        self.logger.debug(f"replica {replica.name}: {command} {' '.join(replica.args)}")
 
     def _stop(self, replica: Replica, now: float, why: str) -> None:
         replica.stopping_since = now

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -268,11 +269,14 @@ class Reconciler:
         *,
         service_monitors: bool = False,
         platform: Platform = DEFAULT_PLATFORM,
+        metrics: Any = None,
     ) -> None:
         self.kube = kube
         self.post_event = post_event
         self.service_monitors = service_monitors
         self.platform = platform
+        # observability.OperatorMetrics (duck-typed: this folder imports no exporter), or None.
+        self.metrics = metrics
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -288,6 +292,8 @@ class Reconciler:
             isvc = await self.kube.get(object_path(names.API_VERSION, names.KIND, namespace, name))
             if isvc is None:
                 self._locks.pop((namespace, name), None)
+                if self.metrics is not None:
+                    self.metrics.forget(namespace, name)
                 return Outcome(gone=True)
             outcome = await self.reconcile(resolve(isvc, self.platform), announce=announce)
         for line in outcome.written:
@@ -301,9 +307,15 @@ class Reconciler:
         async def emit(type_: str, reason: str, message: str) -> None:
             await self.post_event(isvc, type_, reason, message)
 
-        return await reconcile(
-            self.kube, settings, emit, service_monitors=self.service_monitors, announce=announce
-        )
+        started = time.monotonic()
+        try:
+            return await reconcile(
+                self.kube, settings, emit, service_monitors=self.service_monitors, announce=announce
+            )
+        finally:
+            if self.metrics is not None:
+                meta = isvc["metadata"]
+                self.metrics.observe_reconcile(meta["namespace"], meta["name"], time.monotonic() - started)
 
     async def resync_forever(self, scopes: list[str | None], interval: float, logger: Any) -> None:
         """Reconcile every InferenceService in ``scopes`` (None: all namespaces) every ``interval`` s."""

@@ -30,7 +30,9 @@ from typing import Any
 from kvpilot.operator.api import names
 from kvpilot.operator.api.rest import ApiError, Kube, object_path
 from kvpilot.operator.api.settings import Settings, resolve
-from kvpilot.operator.options import OperatorOptions
+from kvpilot.operator.observability.metrics import OperatorMetrics
+from kvpilot.operator.observability.promsource import PrometheusSource
+from kvpilot.operator.options import METRICS_SOURCE_PROMETHEUS, OperatorOptions
 from kvpilot.operator.reconcile.reconciler import Reconciler
 from kvpilot.operator.remediation.decision import APPLY
 from kvpilot.operator.remediation.evaluate import evaluate
@@ -72,12 +74,20 @@ class Autotuner:
         options: OperatorOptions,
         reconciler: Reconciler,
         clock: Callable[[], float] = time.time,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.kube = kube
+        self.metrics = metrics if metrics is not None else OperatorMetrics()
         self.options = options
         self.reconciler = reconciler
         self.clock = clock
-        self.scraper = Scraper(timeout_s=options.scrape_timeout, clock=clock)
+        if options.metrics_source == METRICS_SOURCE_PROMETHEUS:
+            # The same Results from PromQL, for clusters where the operator may not reach the pods.
+            self.scraper = PrometheusSource(
+                options.prometheus_url, timeout_s=options.scrape_timeout, clock=clock
+            )
+        else:
+            self.scraper = Scraper(timeout_s=options.scrape_timeout, clock=clock)
         self.recorder = Recorder(options.record) if options.record else None
         self.series: dict[str, PodSeries] = {}
         self._unrendered: set[tuple[str, str]] = set()  # changed status whose children await a re-render
@@ -139,8 +149,14 @@ class Autotuner:
 
     async def tick(self, logger: Any = LOG) -> None:
         """One round: list, scrape, evaluate and act for every InferenceService in scope."""
-        tick = self.clock()
+        tick, started = self.clock(), time.monotonic()
         isvcs = await self._list(names.API_VERSION, names.KIND)
+        # The listing is complete (a failed LIST raised): series of InferenceServices not in it go.
+        self.metrics.retain(
+            (i["metadata"].get("namespace", ""), i["metadata"]["name"])
+            for i in isvcs
+            if not i["metadata"].get("deletionTimestamp")
+        )
         pods = await self._list("v1", "Pod", ENGINE_POD_SELECTOR) if isvcs else []
         services = self._services(isvcs, pods, tick)
         targets = [t for service in services for t in service.pods.targets]
@@ -157,6 +173,7 @@ class Autotuner:
             except ApiError as exc:
                 meta = service.settings.meta
                 logger.warning(f"remediation of {meta['namespace']}/{meta['name']} failed: {exc}")
+        self.metrics.observe_tick(time.monotonic() - started, self.clock())
 
     def _ingest(self, results: list, services: list[_Service], tick: float) -> None:
         """Feed the scrapes into the per-pod series and the recording (runs in a worker thread; the
@@ -170,6 +187,9 @@ class Autotuner:
             if self.recorder is not None:
                 self.recorder.write(result, tick, settings.isvc)
             series.ingest(result.time, result.text, result.error)
+            meta = settings.meta
+            kind = result.kind or (result.error and "connection") or (series.problem and "invalid")
+            self.metrics.observe_scrape(meta["namespace"], meta["name"], kind or None)
         if self.recorder is not None:
             for service in services:
                 isvc = service.settings.isvc
@@ -204,7 +224,12 @@ class Autotuner:
                 # A change of an earlier tick that has not reached the children yet.
                 await self._render(settings, logger)
             decision, update = evaluate(settings, window, now, observed_pods=service.has_pods)
+            bad_data = any(
+                self.series[t.key].problem is not None for t in service.pods.targets if t.key in self.series
+            )
+            facts = {"mid_rollout": bool(service.pods.problems()), "bad_data": bad_data}
             if update.patch is None:
+                self.metrics.observe_evaluation(settings, window, decision, now, **facts)
                 return
             body = {
                 "metadata": {"resourceVersion": isvc["metadata"]["resourceVersion"]},
@@ -216,6 +241,7 @@ class Autotuner:
                 if exc.status == 409:
                     return  # written concurrently: evaluate again on the next tick
                 raise
+            self.metrics.observe_evaluation(settings.with_status(live), window, decision, now, **facts)
             if decision.is_change:
                 logger.info(f"{namespace}/{name}: {decision.action} {decision.lever}: {decision.reason}")
             for type_, reason, message in update.events:

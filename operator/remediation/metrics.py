@@ -49,7 +49,7 @@ class Scrape:
     ``preemptions``: ``vllm:num_preemptions_total`` summed over its series; ``preemptions_created``:
     its ``_created`` timestamp when exported; ``process_start``: ``process_start_time_seconds`` when
     exported. ``kv_usage`` (0..1), ``waiting``, ``running``: the gauges. ``cache_info`` /
-    ``model_info``: the labels of ``vllm:cache_config_info`` and ``kvpilot:model_config_info``.
+    ``model_info``: the labels of ``vllm:cache_config_info`` and ``kvpilot_model_config_info``.
     ``missing``: required metrics the response lacked. ``invalid``: ``"name=value"`` for each sample of
     a required metric dropped because no healthy engine emits it (NaN, infinite, negative, KV usage
     outside 0..1); a scrape with any is not used.
@@ -121,7 +121,7 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
         if name == m.CACHE_CONFIG_INFO:
             cache_info = labels
             continue
-        if name == m.MODEL_CONFIG_INFO:
+        if m.canonical_name(name) == m.MODEL_CONFIG_INFO:  # the new name or its alias
             model_info = labels
             continue
         if name in (PREEMPTIONS_CREATED, PROCESS_START):
@@ -179,7 +179,7 @@ class Capacity:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What ``kvpilot:model_config_info`` says about the model and the engine's running limits."""
+    """What ``kvpilot_model_config_info`` says about the model and the engine's running limits."""
 
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
@@ -212,7 +212,7 @@ def capacity_of(scrape: Scrape) -> Capacity | None:
 
 
 def shape_of(scrape: Scrape) -> ModelShape | None:
-    """The model shape from ``kvpilot:model_config_info``, or None when absent."""
+    """The model shape from ``kvpilot_model_config_info``, or None when absent."""
     if not scrape.model_info:
         return None
     info = scrape.model_info

@@ -34,12 +34,15 @@ class BodyError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """One scrape: ``text`` on success, else ``error``; ``time`` when the answer came (unix seconds)."""
+    """One scrape: ``text`` on success (the /metrics body; parsed samples when the answer came from
+    Prometheus, ``observability.promsource``), else ``error`` and its ``kind`` (``timeout``,
+    ``http_status``, ``connection``, ``body``); ``time`` when the answer came (unix seconds)."""
 
     target: Target
     time: float
-    text: str | None = None
+    text: str | list | None = None
     error: str | None = None
+    kind: str | None = None
 
 
 class Scraper:
@@ -78,15 +81,21 @@ class Scraper:
             try:
                 async with self._session.get(target.url, allow_redirects=False) as response:
                     if response.status != 200:
-                        return Result(target, self.clock(), error=f"HTTP {response.status}")
+                        return Result(
+                            target, self.clock(), error=f"HTTP {response.status}", kind="http_status"
+                        )
                     body = await self._read(response)
                     return Result(target, self.clock(), text=body.decode("utf-8", errors="replace"))
             except BodyError as exc:
-                return Result(target, self.clock(), error=str(exc))
+                return Result(target, self.clock(), error=str(exc), kind="body")
             except TimeoutError:
-                return Result(target, self.clock(), error=f"no answer within {self.timeout_s:g}s")
+                return Result(
+                    target, self.clock(), error=f"no answer within {self.timeout_s:g}s", kind="timeout"
+                )
             except aiohttp.ClientError as exc:
-                return Result(target, self.clock(), error=f"{type(exc).__name__}: {exc}"[:300])
+                return Result(
+                    target, self.clock(), error=f"{type(exc).__name__}: {exc}"[:300], kind="connection"
+                )
 
     async def _read(self, response: aiohttp.ClientResponse) -> bytes:
         """The whole body, up to ``max_bytes``; raises BodyError when it is larger or cut short."""

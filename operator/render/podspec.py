@@ -7,7 +7,9 @@ The container runs::
     kvpilot serve MODEL --host 0.0.0.0 --port 8000 --served-model-name NAME <engine flags>
 
 where the engine flags come from ``kvpilot.engine.config.to_cli_args``, the same module the
-engine's own argument parser is built from, so a rendered flag always parses.
+engine's own argument parser is built from, so a rendered flag always parses. With ``spec.runtime:
+vllm`` it runs ``vllm serve --model MODEL ...`` instead, flags from ``render.vllm`` (checked against
+vLLM's own parser in the tests), the API key in ``VLLM_API_KEY``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 from kvpilot.engine.config import to_cli_args
 from kvpilot.operator.api import names
 from kvpilot.operator.api.effective import Effective
+from kvpilot.operator.api.runtime import RUNTIME_VLLM
 from kvpilot.operator.api.spec import DEFAULTS, ModelSource, engine_snake_args, parse_model_source
+from kvpilot.operator.render import vllm
 
 # Probe timing. The startup probe covers the model load (minutes for large checkpoints); once it
 # passes, readiness takes a pod out of the Service within ~15 s and liveness restarts a pod whose
@@ -26,6 +30,8 @@ from kvpilot.operator.api.spec import DEFAULTS, ModelSource, engine_snake_args, 
 PROBE_PERIOD_S = 10
 READINESS = {"periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
 LIVENESS = {"periodSeconds": 15, "timeoutSeconds": 10, "failureThreshold": 4}
+# The user vLLM containers run as (the kvpilot engine image sets a non-root user itself).
+VLLM_UID = 1000
 # For a manifest from a file whose spec.pod is not an object (the defaults could not be merged in).
 _GRACE_DEFAULT = DEFAULTS["pod"]["terminationGracePeriodSeconds"]
 
@@ -50,9 +56,32 @@ def gpu_count(spec: dict[str, Any], effective: Effective) -> int:
     return per_shard * tp * pp
 
 
+def is_vllm(spec: dict[str, Any]) -> bool:
+    """Whether the pods run upstream vLLM (``spec.runtime: vllm``) rather than kvpilot's engine."""
+    return spec.get("runtime") == RUNTIME_VLLM
+
+
+def engine_command(spec: dict[str, Any]) -> list[str]:
+    """The container command: ``kvpilot serve`` or ``vllm serve``."""
+    return list(vllm.VLLM_COMMAND) if is_vllm(spec) else ["kvpilot", "serve"]
+
+
 def engine_args(spec: dict[str, Any], effective: Effective) -> list[str]:
-    """The container args (after ``kvpilot serve``)."""
+    """The container args (after :func:`engine_command`)."""
     source = parse_model_source(spec["model"]["source"])
+    # spec.extraArgs last, each one argv entry (validation keeps them off every managed flag).
+    extra = [str(arg) for arg in spec.get("extraArgs") or []]
+    if is_vllm(spec):
+        download_dir = f"{names.HF_HOME}/hub" if source.scheme == "hf" else None
+        args = vllm.vllm_args(
+            model_argument(source),
+            served_model_name(spec, source),
+            effective.engine,
+            host="0.0.0.0",
+            port=names.HTTP_PORT,
+            download_dir=download_dir,
+        )
+        return args + extra
     head = [
         model_argument(source),
         "--host",
@@ -62,7 +91,7 @@ def engine_args(spec: dict[str, Any], effective: Effective) -> list[str]:
         "--served-model-name",
         served_model_name(spec, source),
     ]
-    return head + to_cli_args(engine_snake_args(effective.engine))
+    return head + to_cli_args(engine_snake_args(effective.engine)) + extra
 
 
 def _secret_env(name: str, ref: dict[str, Any]) -> dict[str, Any]:
@@ -72,17 +101,23 @@ def _secret_env(name: str, ref: dict[str, Any]) -> dict[str, Any]:
 def _model_volumes(spec: dict[str, Any], source: ModelSource) -> tuple[list[dict], list[dict], list[dict]]:
     """(volumes, volumeMounts, env) for the model source."""
     if source.scheme == "pvc":
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
-        mount = {"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True}
+        volume = {
+            "name": names.VOLUME_MODEL,
+            "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True},
+        }
+        mount = {"name": names.VOLUME_MODEL, "mountPath": names.MODEL_MOUNT, "readOnly": True}
         return [volume], [mount], []
     if source.scheme == "hf":
         cache = spec["model"].get("cache") or {}
         if cache.get("claimName"):
-            volume = {"name": "hf-cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
+            volume = {
+                "name": names.VOLUME_HF_CACHE,
+                "persistentVolumeClaim": {"claimName": cache["claimName"]},
+            }
         else:
             empty_dir = {"sizeLimit": str(cache["sizeLimit"])} if cache.get("sizeLimit") else {}
-            volume = {"name": "hf-cache", "emptyDir": empty_dir}
-        mount = {"name": "hf-cache", "mountPath": names.HF_HOME}
+            volume = {"name": names.VOLUME_HF_CACHE, "emptyDir": empty_dir}
+        mount = {"name": names.VOLUME_HF_CACHE, "mountPath": names.HF_HOME}
         env = [{"name": names.ENV_HF_HOME, "value": names.HF_HOME}]
         if spec["model"].get("tokenSecretRef"):
             env.append(_secret_env(names.ENV_HF_TOKEN, spec["model"]["tokenSecretRef"]))
@@ -123,15 +158,20 @@ def build_container(spec: dict[str, Any], effective: Effective) -> dict[str, Any
         {"name": "XDG_CACHE_HOME", "value": f"{names.TMP_MOUNT}/cache"},
         *model_env,
     ]
+    if is_vllm(spec):
+        # vLLM's image runs as root by default; the pod runs it as an unprivileged user whose home is
+        # the /tmp volume (compile caches, its config directory).
+        env.append({"name": "HOME", "value": names.TMP_MOUNT})
     if spec.get("apiKeySecretRef"):
-        env.append(_secret_env(names.ENV_API_KEY, spec["apiKeySecretRef"]))
+        key_env = vllm.ENV_VLLM_API_KEY if is_vllm(spec) else names.ENV_API_KEY
+        env.append(_secret_env(key_env, spec["apiKeySecretRef"]))
     env += [dict(item) for item in spec.get("env") or []]
     startup_timeout = int(spec["probes"]["startupTimeoutSeconds"])
     container: dict[str, Any] = {
         "name": names.ENGINE_CONTAINER,
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
-        "command": ["kvpilot", "serve"],
+        "command": engine_command(spec),
         "args": engine_args(spec, effective),
         "ports": [{"name": names.HTTP_PORT_NAME, "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
         "env": env,
@@ -144,9 +184,10 @@ def build_container(spec: dict[str, Any], effective: Effective) -> dict[str, Any
         "readinessProbe": _probe(**READINESS),
         "livenessProbe": _probe(**LIVENESS),
         "volumeMounts": [
-            {"name": "tmp", "mountPath": names.TMP_MOUNT},
-            {"name": "dshm", "mountPath": names.SHM_MOUNT},
+            {"name": names.VOLUME_TMP, "mountPath": names.TMP_MOUNT},
+            {"name": names.VOLUME_SHM, "mountPath": names.SHM_MOUNT},
             *mounts,
+            *(dict(item) for item in spec.get("extraVolumeMounts") or []),
         ],
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -155,6 +196,8 @@ def build_container(spec: dict[str, Any], effective: Effective) -> dict[str, Any
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    if is_vllm(spec):
+        container["securityContext"].update(runAsUser=VLLM_UID, runAsGroup=VLLM_UID)
     return container
 
 
@@ -178,10 +221,11 @@ def build_pod_spec(spec: dict[str, Any], effective: Effective) -> dict[str, Any]
         },
         "containers": [build_container(spec, effective)],
         "volumes": [
-            {"name": "tmp", "emptyDir": {}},
+            {"name": names.VOLUME_TMP, "emptyDir": {}},
             # NCCL and torch's worker processes exchange tensors through /dev/shm.
-            {"name": "dshm", "emptyDir": shm},
+            {"name": names.VOLUME_SHM, "emptyDir": shm},
             *volumes,
+            *(dict(item) for item in spec.get("extraVolumes") or []),
         ],
     }
     for key in ("serviceAccountName", "priorityClassName", "runtimeClassName", "schedulerName"):

@@ -12,8 +12,8 @@ kmock 0.8's ``KubernetesEmulator`` stores objects and streams watch events, but 
   ``managedFields`` (``kmock_fields`` models field ownership);
 - no CRD schema on writes: no validation, pruning, defaulting or CEL rules (``crd_schema`` runs them:
   422 naming each field path);
-- watches replay everything, ignore ``resourceVersion``, never end and never send 410 Gone
-  (``kmock_watch``);
+- watches replay everything, ignore ``resourceVersion``, never end and never send 410 Gone nor
+  bookmarks (``kmock_watch``);
 - it has no garbage collector (owner references delete nothing) and no controllers (a
   Deployment never gets pods or ``readyReplicas``: tests set its status like a controller would);
 - discovery reports the core group as ``/v1``; ``GET /api/v1/namespaces`` answers 500, so the
@@ -30,7 +30,6 @@ import asyncio
 import collections
 import copy
 import datetime
-import itertools
 import json
 import threading
 import urllib.error
@@ -90,12 +89,26 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class VersionCounter:
+    """The server's resourceVersion sequence: ``next()`` issues one; ``latest`` is the last issued."""
+
+    def __init__(self) -> None:
+        self.latest = 0
+
+    def __iter__(self) -> VersionCounter:
+        return self
+
+    def __next__(self) -> int:
+        self.latest += 1
+        return self.latest
+
+
 class ApiServer(kmock.KubernetesEmulator):
     """kmock's Kubernetes emulator with the API server behaviours listed in the module docstring."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.versions = itertools.count(1)
+        self.versions = VersionCounter()
         self.write_lock = asyncio.Lock()
         self.writes: list[tuple[str, str]] = []  # (method, path) of every write request
         self.verbs: set[tuple[str, str, str]] = set()  # (group, resource, verb) the operator used
@@ -284,9 +297,30 @@ class ApiServer(kmock.KubernetesEmulator):
         def matches(obj: dict[str, Any]) -> bool:
             return not selector or watching.matches_selector(obj, selector)
 
+        info = self.resources[request.resource] if request.resource in self.resources else None
+        group, version = request.resource.group, request.resource.version
+        template = {
+            "apiVersion": f"{group}/{version}" if group else version,
+            "kind": getattr(info, "kind", None),
+        }
         stream = super()._serve_watch(request)
-        async for item in watching.serve(stream, request.params, request.url.path, self.history, matches):
+        async for item in watching.serve(
+            stream,
+            request.params,
+            request.url.path,
+            self.history,
+            matches,
+            self.settled_version,
+            template,
+            self.write_lock,
+        ):
             yield item
+
+    async def settled_version(self) -> int:
+        """The newest resourceVersion of a finished write: its watch events are on kmock's bus (a write
+        stamps its version and publishes its events under the write lock)."""
+        async with self.write_lock:
+            return self.versions.latest
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         result = await super()._serve_version(request)
@@ -385,6 +419,27 @@ class ApiServerThread:
             return version
 
         return self._call(expire())
+
+    def set_watch_behaviour(
+        self, *, max_timeout_s: float | None = None, bookmark_interval_s: float | None = None
+    ) -> None:
+        """The server's own watch timeout and bookmark interval (None: off) for the watches from now."""
+
+        async def configure() -> None:
+            self.server.history.max_timeout_s = max_timeout_s
+            self.server.history.bookmark_interval_s = bookmark_interval_s
+
+        self._call(configure())
+
+    def sent(self, path: str) -> list[tuple[str, str]]:
+        """(type, resourceVersion) of every event the watches of ``path`` delivered, in order."""
+        return [
+            (kind, version) for watched, kind, version in list(self.server.history.sent) if watched == path
+        ]
+
+    def ended(self, path: str) -> list[str]:
+        """Why the server ended each watch of ``path`` it ended (``timeout`` or ``expired``)."""
+        return [why for watched, why in list(self.server.history.ended) if watched == path]
 
     def watches(self, path: str) -> list[str | None]:
         """The ``resourceVersion`` of every watch of ``path`` started so far (None: from now)."""

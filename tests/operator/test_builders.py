@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import kubernetes_validate
 import pytest
@@ -21,6 +22,7 @@ from kvpilot.operator.render.builders import (
 )
 from kvpilot.operator.render.podspec import gpu_count
 from tests.operator.conftest import K8S_VERSION
+from tests.operator.crd_schema import schema_errors
 
 
 def children_of(isvc):
@@ -353,3 +355,97 @@ def test_pdb_and_service_ignore_engine_changes(make_isvc):
     a, b = make_isvc(), make_isvc(engine={"maxNumSeqs": 8})
     assert build_pdb(a) == build_pdb(b)
     assert build_service(a) == build_service(b)
+
+
+EXTRAS = {
+    "extraArgs": ["--log-level=debug", "--disable-access-log", "--chat-template=/etc/kvpilot/chat.jinja"],
+    "extraVolumes": [{"name": "chat", "configMap": {"name": "llama-chat-template"}}],
+    "extraVolumeMounts": [{"name": "chat", "mountPath": "/etc/kvpilot", "readOnly": True}],
+    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+}
+
+
+def test_engine_pod_extras_are_appended_after_the_managed_ones(make_isvc, crd_schema):
+    isvc = make_isvc(**EXTRAS)
+    assert schema_errors(isvc, crd_schema) == []
+    deployment, container = engine_container(isvc)
+    plain_deployment, plain = engine_container(make_isvc())
+    # Extra flags come last, one argv entry each, after every flag the operator renders.
+    assert container["args"] == plain["args"] + EXTRAS["extraArgs"]
+    assert container["command"] == ["kvpilot", "serve"]  # exec form: no shell reads the args
+    known, unknown = serve_parser().parse_known_args(container["args"])
+    assert unknown == EXTRAS["extraArgs"] and known.max_num_seqs == 128
+    assert container["volumeMounts"] == plain["volumeMounts"] + EXTRAS["extraVolumeMounts"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["volumes"] == plain_deployment["spec"]["template"]["spec"]["volumes"] + EXTRAS["extraVolumes"]
+    assert container["env"][-1] == {"name": "NCCL_DEBUG", "value": "INFO"}
+    assert kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    # The pod template changes, so the hash that triggers a rollout does too.
+    assert content_hash(deployment) != content_hash(plain_deployment)
+
+
+def mount_at(path: str) -> dict:
+    return {
+        "extraVolumes": [{"name": "a", "emptyDir": {}}],
+        "extraVolumeMounts": [{"name": "a", "mountPath": path}],
+    }
+
+
+MANAGED_FLAG = "spec.extraArgs[0] --max-num-seqs is set by the operator: use spec.engine.maxNumSeqs"
+
+
+@pytest.mark.parametrize(
+    ("extras", "message"),
+    [
+        ({"extraArgs": ["--max-num-seqs=8"]}, MANAGED_FLAG),
+        ({"extraArgs": ["--no-enable-prefix-caching"]}, "use spec.engine.enablePrefixCaching"),
+        ({"extraArgs": ["--port=9000"]}, "spec.extraArgs[0] --port is set by the operator"),
+        ({"extraArgs": ["--api-key=x"]}, "use spec.apiKeySecretRef"),
+        ({"extraArgs": ["--served-model-name=other"]}, "use spec.model.name"),
+        ({"extraArgs": ["--log-level", "debug"]}, "spec.extraArgs[1] 'debug' is not a flag"),
+        ({"extraArgs": ["/models/other"]}, "spec.extraArgs[0] '/models/other' is not a flag"),
+        ({"extraArgs": ["-p=1"]}, "is not a flag"),
+        ({"extraArgs": ["--x=a; rm -rf /\n--port=1"]}, "no control characters"),
+        ({"extraArgs": ["--chat-template=$(HF_TOKEN)"]}, "the kubelet expands $(VAR)"),
+        ({"extraVolumes": [{"name": "tmp", "emptyDir": {}}]}, "spec.extraVolumes[0].name tmp is one of"),
+        ({"extraVolumes": [{"name": "a", "emptyDir": {}}] * 2}, "declared twice"),
+        ({"extraVolumes": [{"name": "a"}]}, "names no volume source"),
+        ({"extraVolumes": [{"name": "Bad_Name", "emptyDir": {}}]}, "must be a DNS-1123 label"),
+        (
+            {"extraVolumeMounts": [{"name": "model", "mountPath": "/opt"}]},
+            "'model' is not one of spec.extraVolumes",
+        ),
+        (
+            mount_at("/mnt/models/x"),
+            "spec.extraVolumeMounts[0].mountPath /mnt/models/x overlaps the operator's",
+        ),
+        (mount_at("/var/cache/"), "overlaps the operator's mount /var/cache/huggingface"),
+        (mount_at("/dev/shm"), "overlaps the operator's mount /dev/shm"),
+        (mount_at("/etc/../tmp"), "without '..'"),
+        (mount_at("/"), "must be an absolute path below /"),
+    ],
+)
+def test_engine_pod_extras_cannot_override_managed_fields(make_isvc, extras, message):
+    settings = resolve(make_isvc(**extras))
+    assert not settings.spec_is_valid
+    assert any(message in problem for problem in settings.problems), settings.problems
+
+
+def test_extra_args_the_crd_admits_are_the_ones_validation_admits(crd_schema, make_isvc):
+    """The CRD's pattern and the operator's check agree on what a flag looks like."""
+    item = crd_schema["properties"]["spec"]["properties"]["extraArgs"]["items"]
+    pattern = re.compile(item["pattern"])
+    for arg in [
+        "--log-level=debug",
+        "--x",
+        "--a-b=c=d",
+        "-x",
+        "--",
+        "--X",
+        "value",
+        "--ok=a\nb",
+        "--a=$$(b)",
+    ]:
+        by_schema = bool(pattern.search(arg))
+        by_operator = resolve(make_isvc(extraArgs=[arg])).spec_is_valid
+        assert by_schema == by_operator, arg

@@ -5,19 +5,26 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
+from kvpilot.operator.api.platform import DEFAULT_VLLM_IMAGE
 from tests.operator.conftest import CHART, K8S_VERSION, find_tool
+
+# Every optional value of the chart turned on (the values other tests render with).
+EVERYTHING_ON = Path(__file__).with_name("chart_values_everything.yaml")
 
 VARIANTS = {
     "cluster-wide": [],
     "namespaced": ["--set", "operator.watchNamespaces={llm,batch}", "--set", "rbac.serviceMonitors=true"],
     "custom": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops", "--set",
                "operator.logFormat=plain", "--set", "operator.verbose=true", "--set", "rbac.create=false"],
+    "everything-on": ["-f", str(EVERYTHING_ON)],
+    "everything-on-namespaced": ["-f", str(EVERYTHING_ON), "--set", "operator.watchNamespaces={llm,batch}"],
 }  # fmt: skip
 
 
@@ -26,13 +33,17 @@ def helm(*args: str) -> subprocess.CompletedProcess:
 
 
 def render(*extra: str) -> list[dict]:
-    result = helm("template", "kvp", str(CHART), "--namespace", "kvpilot-system", "--include-crds", *extra)
+    # Hook objects (helm test) are left out here: test_chart_hooks checks them.
+    flags = ("--namespace", "kvpilot-system", "--include-crds", "--skip-tests")
+    result = helm("template", "kvp", str(CHART), *flags, *extra)
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
-def test_lint_strict():
-    result = helm("lint", "--strict", str(CHART))
+@pytest.mark.parametrize("variant", ["default", "everything-on", "everything-on-namespaced"])
+def test_lint_strict(variant):
+    extra = [] if variant == "default" else VARIANTS[variant]
+    result = helm("lint", "--strict", str(CHART), *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
@@ -40,7 +51,7 @@ def test_lint_strict():
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_rendered_objects_are_valid_kubernetes(variant):
     objects = render(*VARIANTS[variant])
-    assert objects and objects[0]["kind"] == "CustomResourceDefinition"
+    assert [o["kind"] for o in objects].count("CustomResourceDefinition") == 1
     for obj in objects:
         assert kubernetes_validate.validate(obj, K8S_VERSION, strict=True), obj["kind"]
 
@@ -77,7 +88,9 @@ def test_scope_selects_cluster_role_or_namespaced_roles():
     cluster = by_kind(render())
     assert {"ClusterRole", "ClusterRoleBinding"} <= set(cluster) and "Role" not in cluster
     namespaced = by_kind(render(*VARIANTS["namespaced"]))
-    assert "ClusterRole" not in namespaced
+    # Only the tenants' aggregated roles are cluster-wide (aggregation works on ClusterRoles only).
+    assert "ClusterRoleBinding" not in namespaced
+    assert all(r["metadata"]["name"].endswith(("-view", "-edit")) for r in namespaced["ClusterRole"])
     assert sorted(r["metadata"]["namespace"] for r in namespaced["Role"]) == ["batch", "llm"]
     assert sorted(b["metadata"]["namespace"] for b in namespaced["RoleBinding"]) == ["batch", "llm"]
     (deployment,) = namespaced["Deployment"]
@@ -93,15 +106,21 @@ def test_scope_selects_cluster_role_or_namespaced_roles():
         }
     ]
     custom = by_kind(render(*VARIANTS["custom"]))
-    assert "ServiceAccount" not in custom and "ClusterRole" not in custom
+    assert "ServiceAccount" not in custom and "ClusterRole" not in custom and "Role" not in custom
     assert custom["Deployment"][0]["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
 
 
 def test_rules_never_grant_wildcards_or_secrets():
-    for role in by_kind(render())["ClusterRole"]:
+    everything = by_kind(render(*VARIANTS["everything-on"]))
+    roles = everything["ClusterRole"] + everything["Role"]
+    assert len(roles) >= 4  # the operator's, the two aggregated tenant roles, leader election's
+    for role in roles:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-            assert "secrets" not in rule["resources"] and "delete" not in rule["verbs"]
+            assert "secrets" not in rule["resources"]
+    # Only tenants delete InferenceServices; the operator itself deletes nothing by default.
+    (operator_role,) = [r for r in by_kind(render())["ClusterRole"] if r["metadata"]["name"] == "kvp-kvpilot"]
+    assert all("delete" not in rule["verbs"] for rule in operator_role["rules"])
 
 
 @pytest.mark.parametrize(
@@ -167,15 +186,21 @@ def test_engine_default_image_and_allowlists_reach_the_operator():
         return {item["name"]: item["value"] for item in container.get("env") or []}
 
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert env_of() == {"KVPILOT_DEFAULT_IMAGE": f"ghcr.io/kvpilot/engine:{chart['appVersion']}"}
+    # The chart's vLLM default is the operator's own (the release the runtime is tested against).
+    assert env_of() == {
+        "KVPILOT_DEFAULT_IMAGE": f"ghcr.io/kvpilot/engine:{chart['appVersion']}",
+        "KVPILOT_DEFAULT_VLLM_IMAGE": DEFAULT_VLLM_IMAGE,
+    }
     custom = env_of(
         "--set", "engine.image.repository=mirror.corp/kvpilot/engine",
         "--set-string", "engine.image.tag=7",
+        "--set", "engine.vllmImage.repository=mirror.corp/vllm/vllm-openai",
         "--set", "engine.allowedRegistries={mirror.corp,nvcr.io}",
         "--set", "engine.allowedServiceAccounts={llm}",
     )  # fmt: skip
     assert custom == {
         "KVPILOT_DEFAULT_IMAGE": "mirror.corp/kvpilot/engine:7",
+        "KVPILOT_DEFAULT_VLLM_IMAGE": "mirror.corp/" + DEFAULT_VLLM_IMAGE,
         "KVPILOT_ALLOWED_REGISTRIES": "mirror.corp,nvcr.io",
         "KVPILOT_ALLOWED_SERVICE_ACCOUNTS": "llm",
     }

@@ -143,6 +143,7 @@ def test_printer_columns_answer_the_first_questions(crd, crd_schema):
     columns = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert columns == {
         "Phase": ".status.phase",
+        "Runtime": ".spec.runtime",
         "Ready": ".status.readyReplicas",
         "Replicas": ".status.effective.replicas",
         "MemFrac": ".status.effective.gpuMemoryUtilization",
@@ -201,5 +202,5 @@ def test_whole_object_with_status_validates(crd_schema, make_isvc):
 
 
 def test_chart_carries_an_identical_copy_of_the_crd():
-    assert (CHART / "crds" / "inferenceservice.yaml").read_bytes() == CRD_PATH.read_bytes()
+    assert (CHART / "files" / "crds" / "inferenceservice.yaml").read_bytes() == CRD_PATH.read_bytes()
     assert yaml.safe_load(CRD_PATH.read_text())["kind"] == "CustomResourceDefinition"

@@ -232,3 +232,69 @@ def test_an_object_leaving_the_selector_arrives_as_deleted(api):
         apply(api, "labelled", {"a": "1"}, "op", labels={"app": "x"})
         assert next(events)["type"] == "ADDED"
     api.delete(f"{CONFIGMAPS}/labelled")
+
+
+@pytest.fixture
+def watch_behaviour(api):
+    """Set the server's watch timeout and bookmark interval for one test; both are off again after it."""
+    yield api.set_watch_behaviour
+    api.set_watch_behaviour()
+
+
+def test_bookmarks_carry_the_newest_version_and_a_resumed_watch_replays_nothing(api, watch_behaviour):
+    watch_behaviour(bookmark_interval_s=0.2)
+    apply(api, "marked", {"a": "1"}, "op")
+    listed = api.get(CONFIGMAPS)["metadata"]["resourceVersion"]
+    query = f"resourceVersion={listed}&allowWatchBookmarks=true&timeoutSeconds=2"
+    response, events = watch(api, CONFIGMAPS, query)
+    with response:
+        # A write this watch does not see (another namespace) still moves its bookmarks on.
+        elsewhere = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "far"}, "data": {}}
+        far = int(
+            api.create("/api/v1/namespaces/elsewhere/configmaps", elsewhere)["metadata"]["resourceVersion"]
+        )
+        bookmark = next(e for e in events if int(e["object"]["metadata"]["resourceVersion"]) >= far)
+        assert bookmark["type"] == "BOOKMARK"
+        assert bookmark["object"] == {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"resourceVersion": str(far)},
+        }
+        changed = apply(api, "marked", {"a": "2"}, "op")
+        event = next(e for e in events if e["type"] != "BOOKMARK")
+        assert (event["type"], event["object"]["data"]) == ("MODIFIED", {"a": "2"})
+        assert int(event["object"]["metadata"]["resourceVersion"]) > far
+        rest = list(events)  # until the client's 2 s are up: bookmarks only, at the newest version
+    assert rest and {e["type"] for e in rest} == {"BOOKMARK"}
+    assert rest[-1]["object"]["metadata"]["resourceVersion"] == changed["metadata"]["resourceVersion"]
+    assert api.ended(CONFIGMAPS)[-1] == "timeout"
+    # From the last bookmark: nothing the client has seen comes again.
+    last = rest[-1]["object"]["metadata"]["resourceVersion"]
+    response, events = watch(
+        api, CONFIGMAPS, f"resourceVersion={last}&allowWatchBookmarks=true&timeoutSeconds=1"
+    )
+    with response:
+        assert {e["type"] for e in events} == {"BOOKMARK"}
+    # A client that does not ask for bookmarks gets none.
+    response, events = watch(api, CONFIGMAPS, f"resourceVersion={last}&timeoutSeconds=1")
+    with response:
+        assert list(events) == []
+    api.delete(f"{CONFIGMAPS}/marked")
+    api.delete("/api/v1/namespaces/elsewhere/configmaps/far")
+
+
+def test_the_server_ends_a_watch_on_its_own_timeout_after_a_last_bookmark(api, watch_behaviour):
+    watch_behaviour(max_timeout_s=0.5, bookmark_interval_s=60)
+    live = apply(api, "timed", {"a": "1"}, "op")
+    ended = len(api.ended(CONFIGMAPS))
+    # The client asks for 300 s (as kopf does); the server keeps the stream for 0.5 s.
+    since = live["metadata"]["resourceVersion"]
+    response, events = watch(
+        api, CONFIGMAPS, f"resourceVersion={since}&allowWatchBookmarks=true&timeoutSeconds=300"
+    )
+    with response:
+        received = list(events)
+    assert api.ended(CONFIGMAPS)[ended:] == ["timeout"]
+    assert [e["type"] for e in received] == ["BOOKMARK"]  # the one right before the end, nothing replayed
+    assert int(received[0]["object"]["metadata"]["resourceVersion"]) >= int(since)
+    api.delete(f"{CONFIGMAPS}/timed")

@@ -6,8 +6,12 @@ thread of its own); every engine is a real ``kvpilot serve`` on the session's ti
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
+import logging
 import os
+import re
 import signal
+import threading
 
 import httpx
 import openai
@@ -210,3 +214,77 @@ def test_a_new_configuration_rolls_over_under_traffic_without_dropping_a_request
     assert served[old["url"]] >= 3 and served[new["url"]] >= 3, served
     assert sum(served.values()) == traffic.completed
     assert traffic.by_kind["completed"] == traffic.completed
+
+
+class KubeletLog(logging.Handler):
+    """Keeps the local kubelet's log records (the platform's thread writes them) and lets the test wait
+    for one that matches."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._lock:
+            self.records.append(record)
+
+    def matching(self, pattern: str) -> list[tuple[float, re.Match]]:
+        """(time the record was made, match) of each record whose message matches ``pattern``."""
+        with self._lock:
+            records = list(self.records)
+        found = ((r.created, re.search(pattern, r.getMessage())) for r in records)
+        return [(t, m) for t, m in found if m]
+
+
+def test_a_crash_looping_replica_restarts_again_and_again_with_growing_back_off(platforms, tmp_path):
+    """A model directory the engine cannot load: every start exits with an error. The kubelet restarts
+    the same replica each time, after a back-off that doubles, and its Pod says CrashLoopBackOff with
+    the restart count, as a kubelet's would."""
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    log = KubeletLog()
+    logger = logging.getLogger("kvpilot.local")
+    level = logger.level
+    logger.addHandler(log)
+    logger.setLevel(logging.DEBUG)
+    try:
+        platform = platforms(tiny_isvc(broken, replicas=1))
+        restarts = 3
+        wait_for(
+            lambda: log.matching(rf"started \(restart {restarts}\), pid"),
+            timeout=START_S,
+            what=f"restart {restarts} of the crashing replica",
+        )
+        exits = log.matching(r"replica (\S+): .*; restarting in ([0-9.]+)s \(restart (\d+)\)")
+        starts = log.matching(r"replica (\S+): started(?: \(restart (\d+)\))?, pid (\d+)")
+        status = platform.status()
+    finally:
+        logger.removeHandler(log)
+        logger.setLevel(level)
+
+    # One replica, started once and then once per restart, each run a process of its own.
+    assert (
+        {m.group(1) for _, m in starts} == {m.group(1) for _, m in exits} == {status["replicas"][0]["name"]}
+    )
+    assert [int(m.group(2) or 0) for _, m in starts][: restarts + 1] == list(range(restarts + 1))
+    assert len({m.group(3) for _, m in starts}) == len(starts), "a new process each time"
+    assert [int(m.group(3)) for _, m in exits][:restarts] == list(range(1, restarts + 1))
+    planned = [float(m.group(2)) for _, m in exits][:restarts]
+    assert all(b == 2 * a for a, b in itertools.pairwise(planned)), f"the back-off doubles: {planned}"
+    # Observed: from the exit seen to the next start. Never before the planned back-off, and growing.
+    waited = [
+        start[0] - exit_[0] for exit_, start in zip(exits[:restarts], starts[1 : restarts + 1], strict=True)
+    ]
+    assert all(w >= b for w, b in zip(waited, planned, strict=True)), (waited, planned)
+    assert waited[-1] > waited[0], waited
+
+    (replica,) = status["replicas"]
+    assert replica["restarts"] >= restarts and replica["lastExitCode"] not in (None, 0)
+    assert not replica["ready"]
+    pod = platform.platform.api.read(object_path("v1", "Pod", "local", replica["name"]))
+    (container,) = pod["status"]["containerStatuses"]
+    assert container["restartCount"] >= restarts
+    assert container["lastState"]["terminated"]["reason"] == "Error"
+    assert platform.status()["inferenceService"]["status"]["phase"] != "Ready"

@@ -430,7 +430,7 @@ def test_kubectl_printer_columns_and_short_name(api, operator, tmp_path):
     create_and_wait(api, new_isvc("columns"))
     mark_rolled_out(api, "columns", ready=2)
     wait_for(lambda: api.get(isvc_path("columns"))["status"]["phase"] == "Ready", what="Ready")
-    crd = yaml.safe_load((CHART / "crds" / "inferenceservice.yaml").read_text())
+    crd = yaml.safe_load((CHART / "files" / "crds" / "inferenceservice.yaml").read_text())
     columns = [c for c in crd["spec"]["versions"][0]["additionalPrinterColumns"] if c["name"] != "Age"]
     spec = ",".join(f"{c['name'].upper()}:{{{c['jsonPath']}}}" for c in columns)
     kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
@@ -458,6 +458,7 @@ def test_kubectl_printer_columns_and_short_name(api, operator, tmp_path):
     assert header.split() == [
         "NAME",
         "PHASE",
+        "RUNTIME",
         "READY",
         "REPLICAS",
         "MEMFRAC",
@@ -470,6 +471,7 @@ def test_kubectl_printer_columns_and_short_name(api, operator, tmp_path):
     assert row.split() == [
         "columns",
         "Ready",
+        "kvpilot",  # defaulted by the CRD schema on create
         "2",
         "2",
         "0.9",

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 
 import pytest
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.timefmt import format_time, parse_time
+from kvpilot.operator.remediation.pods import UNSCHEDULABLE_GRACE_S
 from tests.operator.conftest import BASE_ISVC, wait_for
 from tests.operator.engine_metrics import EngineMetrics, ScriptedEngine
 
@@ -303,6 +306,70 @@ def test_a_change_that_crashes_pods_is_reverted(api, cluster, operator):
     assert "gpuMemoryUtilization" not in isvc["status"]["effective"].get("overrides", {})
     (event,) = wait_for(lambda: events(api, "oom", "RemediationReverted"), what="the Warning")
     assert event["type"] == "Warning"
+    assert deployment["spec"]["replicas"] == 1
+
+
+def test_a_change_whose_pods_stay_unschedulable_is_reverted_after_the_grace(api, cluster, operator):
+    """A raised memory fraction whose new pod cannot be scheduled: while the pod has been pending for
+    less than the grace (the cluster autoscaler may still add a node) it only waits; once it has been
+    unschedulable for longer than that, since after the change, the change is reverted."""
+    cluster.create(new_isvc("pending", "Auto"))
+    cluster.start_pod("pending", "pending-a", cluster.engine(rate=5.0, kv=0.97, waiting=2, running=40))
+    wait_for(
+        lambda: cluster.deployment_with("pending", "0.95"), timeout=20, what="the memory fraction raised"
+    )
+    cluster.delete_pod("pending-a")
+    # Play the clock: the change was made GRACE + 100 s ago (the record is the one the operator wrote,
+    # moved back in time; the pods of the new template can only be younger than it).
+    isvc = cluster.isvc("pending")
+    (change,) = isvc["status"]["remediations"]
+    assert change["lever"] == "raiseGpuMemoryUtilization"
+    changed_at = parse_time(change["time"]) - UNSCHEDULABLE_GRACE_S - 100
+    api.merge_patch(
+        f"{ISVCS}/pending/status", {"status": {"remediations": [{**change, "time": format_time(changed_at)}]}}
+    )
+
+    def unschedulable(since: float) -> dict:
+        return {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+            "lastTransitionTime": format_time(since),
+        }
+
+    pending = {"phase": "Pending", "conditions": [unschedulable(time.time() - 10)]}
+    cluster.start_pod("pending", "pending-b", cluster.engine(rate=0.0), status=pending)
+
+    def waiting_reported() -> dict | None:
+        isvc = cluster.isvc("pending")
+        message = condition(isvc, "KVCachePressure").get("message", "")
+        return isvc if "pod(s) not ready: pending-b" in message else None
+
+    isvc = wait_for(waiting_reported, timeout=15, what="the pending pod reported as not ready")
+    assert len(isvc["status"]["remediations"]) == 1, "pending within the grace: no revert"
+    assert flag(cluster.deployment("pending"), "--gpu-memory-utilization") == "0.95"
+
+    # The scheduler's condition has held since 10 s after the change: past the grace now.
+    since = changed_at + 10
+    api.merge_patch(f"{PODS}/pending-b/status", {"status": {"conditions": [unschedulable(since)]}})
+    deployment = wait_for(lambda: cluster.deployment_with("pending", "0.9"), timeout=10, what="the revert")
+    isvc = cluster.isvc("pending")
+    revert, first = isvc["status"]["remediations"]
+    assert (revert["lever"], revert["field"], revert["from"], revert["to"]) == (
+        "revert",
+        "gpuMemoryUtilization",
+        0.95,
+        0.9,
+    )
+    assert first["time"] == format_time(changed_at)
+    assert (
+        "pending-b: unschedulable for" in revert["reason"]
+        and "Insufficient nvidia.com/gpu" in revert["reason"]
+    )
+    assert "gpuMemoryUtilization" not in isvc["status"]["effective"].get("overrides", {})
+    (event,) = wait_for(lambda: events(api, "pending", "RemediationReverted"), what="the Warning")
+    assert event["type"] == "Warning" and "unschedulable" in event["message"]
     assert deployment["spec"]["replicas"] == 1
 
 

@@ -5,6 +5,7 @@ disconnect free the KV blocks; a full waiting queue answers 503 with Retry-After
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 
 import httpx
@@ -151,6 +152,49 @@ def test_swap_preemption_shows_in_metrics_and_recomputes_nothing(swap_server):
     computed = names.ITERATION_TOKENS_TOTAL + "_sum"
     assert delta(middle, after, computed) == delta(before, middle, computed)
     for gauge in (names.NUM_REQUESTS_SWAPPED, names.CPU_CACHE_USAGE_PERC):
+        assert after.value(gauge) == 0.0, gauge
+
+
+def test_swapped_sequences_show_in_metrics_while_they_wait(swap_server):
+    """Twelve sequences, four at a time, that each grow to 7 of the 8 blocks: the latest arrivals keep
+    being swapped out to the CPU pool. Scrapes taken while the request runs see the swapped gauges up
+    and the preemption counter risen; once it is done every swapped block has come back (the CPU pool
+    is empty) and nothing was lost."""
+    client = swap_server.client()
+    prompts = [f"# swap {i}\n" for i in range(12)]
+    before = swap_server.metrics()
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["resp"] = client.completions.create(
+                model=MODEL_NAME, prompt=prompts, max_tokens=100, temperature=0.0, **NO_EOS
+            )
+        except BaseException as exc:  # surfaced below, in the test's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    seen = []  # (requests swapped, CPU pool usage, preemptions so far) per scrape while it runs
+    while worker.is_alive():
+        now = swap_server.metrics()
+        seen.append(
+            (
+                now.value(names.NUM_REQUESTS_SWAPPED),
+                now.value(names.CPU_CACHE_USAGE_PERC),
+                delta(before, now, names.NUM_PREEMPTIONS_TOTAL),
+            )
+        )
+        worker.join(timeout=0.01)
+    assert "error" not in result, result.get("error")
+    after = swap_server.metrics()
+    assert result["resp"].usage.completion_tokens == 1200
+    swapped = [s for s in seen if s[0] >= 1]
+    assert swapped, f"no scrape in {len(seen)} saw a swapped request"
+    assert all(cpu > 0 and preemptions >= 1 for _, cpu, preemptions in swapped), swapped
+    assert delta(before, after, names.NUM_PREEMPTIONS_TOTAL) >= max(s[0] for s in seen)
+    assert delta(before, after, names.REQUEST_SUCCESS_TOTAL, finished_reason="length") == 12
+    for gauge in (names.NUM_REQUESTS_SWAPPED, names.CPU_CACHE_USAGE_PERC, names.KV_CACHE_USAGE_PERC):
         assert after.value(gauge) == 0.0, gauge
 
 

@@ -22,13 +22,15 @@
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Labels of every object. */}}
+{{/* Labels of every object: commonLabels, then the chart's own (which win on conflicts). */}}
 {{- define "kvpilot.labels" -}}
-helm.sh/chart: {{ include "kvpilot.chart" . }}
-{{ include "kvpilot.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
-app.kubernetes.io/part-of: kvpilot
+{{- $own := dict -}}
+{{- $_ := set $own "helm.sh/chart" (include "kvpilot.chart" .) -}}
+{{- $_ := merge $own (include "kvpilot.selectorLabels" . | fromYaml) -}}
+{{- $_ := set $own "app.kubernetes.io/version" .Chart.AppVersion -}}
+{{- $_ := set $own "app.kubernetes.io/managed-by" .Release.Service -}}
+{{- $_ := set $own "app.kubernetes.io/part-of" "kvpilot" -}}
+{{- toYaml (merge $own (.Values.commonLabels | default dict)) }}
 {{- end }}
 
 {{/* Labels the operator Deployment selects its pod by. */}}
@@ -84,5 +86,34 @@ Nothing is deleted by the operator: children go away with their InferenceService
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
   verbs: [get, create, patch, delete]
+{{- end }}
+{{- end }}
+
+{{/*
+Labels every engine pod carries and the port its API and /metrics listen on, as the operator's
+builders set them (operator/api/names.py: LABEL_NAME=ENGINE_NAME, LABEL_MANAGED_BY=MANAGED_BY,
+HTTP_PORT; a test checks the NetworkPolicies against the rendered engine pods).
+*/}}
+{{- define "kvpilot.engineSelectorLabels" -}}
+app.kubernetes.io/name: kvpilot-engine
+app.kubernetes.io/managed-by: kvpilot-operator
+{{- end }}
+
+{{- define "kvpilot.enginePort" -}}
+8000
+{{- end }}
+
+{{/* The namespaces engine NetworkPolicies go to: networkPolicy.engine.namespaces, else watchNamespaces. */}}
+{{- define "kvpilot.engineNamespaces" -}}
+{{- toJson (.Values.networkPolicy.engine.namespaces | default .Values.operator.watchNamespaces | default list) }}
+{{- end }}
+
+{{/* "true" when the operator replicas elect a leader (replicaCount > 1 or leaderElection.enabled). */}}
+{{- define "kvpilot.leaderElection" -}}
+{{- $le := .Values.operator.leaderElection }}
+{{- if or $le.enabled (gt (int .Values.operator.replicaCount) 1) }}
+{{- if not (and (lt (float64 $le.retryPeriod) (float64 $le.renewDeadline)) (lt (float64 $le.renewDeadline) (float64 $le.leaseDuration))) }}
+{{- fail "operator.leaderElection needs retryPeriod < renewDeadline < leaseDuration: a leader must stop before a standby may take over" }}
+{{- end }}true
 {{- end }}
 {{- end }}
