@@ -1,7 +1,7 @@
 """AsyncEngine: one engine loop on a background thread, per-request output streams for asyncio.
 
 The ``LLMEngine`` is not thread-safe, so exactly one thread touches it: the engine thread. The event
-loop talks to it through a command queue (add, abort) and gets outputs back through
+loop talks to it through a command queue (add, abort, config) and gets outputs back through
 ``loop.call_soon_threadsafe``::
 
     event loop (HTTP handlers)                     engine thread
@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpilot.engine.errors import ConfigError, EngineDeadError, QueueFullError
+from kvpilot.engine.live_config import LiveConfig, LiveLimits, apply_update
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.request_stream import RequestStream
 from kvpilot.engine.sampling_params import SamplingParams
@@ -164,6 +165,36 @@ class AsyncEngine:
             raise
         return rs
 
+    def live_config(self) -> LiveConfig:
+        """The run-time settings in force (``live_config``): the scheduler's bounds and preemption mode,
+        and the admission bound."""
+        config = self.engine.scheduler.config
+        return LiveConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_waiting_requests=self.max_waiting_requests,
+            preemption_mode=config.preemption_mode,
+        )
+
+    def live_limits(self) -> LiveLimits:
+        """What a run-time change must stay within: the values the engine started with."""
+        engine = self.engine
+        return LiveLimits(
+            max_num_seqs=engine.args.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_model_len=engine.max_model_len,
+            enable_chunked_prefill=engine.args.enable_chunked_prefill,
+            num_cpu_blocks=int(getattr(engine, "num_cpu_blocks", 0) or 0),
+        )
+
+    async def reconfigure(self, update: object) -> LiveConfig:
+        """Apply ``update`` (see ``live_config.apply_update``) between two steps, all of it or none of
+        it; returns the settings in force afterwards. Raises ``ConfigError`` for an invalid update and
+        ``EngineDeadError`` when the loop is dead."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("config", update, fut))
+        return await asyncio.wrap_future(fut)
+
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed before the next
         step. Call from the event loop."""
@@ -254,6 +285,10 @@ class AsyncEngine:
                 _, inputs, stream, fut = command
                 if fut.set_running_or_notify_cancel():
                     self._apply_add(inputs, stream, fut)
+            elif command[0] == "config":
+                _, update, fut = command
+                if fut.set_running_or_notify_cancel():
+                    self._apply_config(update, fut)
             else:
                 # Ids that finished (or never got in) meanwhile are ignored by the engine.
                 num_aborted += self.engine.abort_request(command[1])
@@ -267,6 +302,21 @@ class AsyncEngine:
                 observe_aborted = getattr(stat_logger, "observe_aborted", None)
                 if observe_aborted is not None:
                     observe_aborted(num_aborted)
+
+    def _apply_config(self, update: object, fut: concurrent.futures.Future) -> None:
+        try:
+            new = apply_update(self.live_config(), update, self.live_limits())
+        except ConfigError as exc:
+            fut.set_exception(exc)
+            return
+        self.engine.scheduler.reconfigure(new.max_num_seqs, new.max_num_batched_tokens, new.preemption_mode)
+        self.max_waiting_requests = new.max_waiting_requests
+        for stat_logger in self.engine.stat_loggers:
+            observe = getattr(stat_logger, "observe_live_config", None)
+            if observe is not None:
+                observe(new)
+        logger.info("run-time settings now %s", new.as_dict())
+        fut.set_result(new)
 
     def _apply_add(self, inputs: list[PromptInput], stream: bool, fut: concurrent.futures.Future) -> None:
         engine = self.engine
@@ -316,10 +366,10 @@ class AsyncEngine:
         self._applying = []
         error = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}" if log else str(exc))
         for command in pending:
-            if command[0] == "add":
+            if command[0] in ("add", "config"):
                 # Whether it was still queued or half applied when the loop died, its caller gets the error.
                 try:
-                    command[3].set_exception(error)
+                    command[-1].set_exception(error)
                 except concurrent.futures.InvalidStateError:
                     pass  # resolved already, or cancelled by its caller
         self._publish(self._fail_all, error)

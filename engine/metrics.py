@@ -96,10 +96,11 @@ class PrometheusStatLogger:
         def histogram(name: str, doc: str, buckets) -> Any:
             return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
 
-        def info(name: str, doc: str, keys: tuple[str, ...], config: dict[str, Any]) -> None:
+        def info(name: str, doc: str, keys: tuple[str, ...], config: dict[str, Any]) -> Gauge:
             # Value 1; a key missing from ``config`` reads "None".
             gauge = Gauge(name, doc, list(keys), registry=registry)
             gauge.labels(**{k: _label(config.get(k)) for k in keys}).set(1)
+            return gauge
 
         self.running = gauge(names.NUM_REQUESTS_RUNNING, "Number of sequences in model execution batches.")
         self.waiting = gauge(names.NUM_REQUESTS_WAITING, "Number of sequences waiting to be processed.")
@@ -166,11 +167,24 @@ class PrometheusStatLogger:
             [float(b) for b in iteration_buckets if b <= max_num_batched_tokens],
         )
 
-        info(
+        self._cache_config = dict(cache_config)
+        self._cache_info = info(
             names.CACHE_CONFIG_INFO,
             "Information of the KV-cache configuration.",
             names.CACHE_CONFIG_LABELS,
             cache_config,
+        )
+        self._live_config = {
+            "max_num_seqs": model_config.get("max_num_seqs"),
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_waiting_requests": None,
+            "preemption_mode": cache_config.get("preemption_mode"),
+        }
+        self._config_info = info(
+            names.CONFIG_INFO,
+            "The settings that change at run time (POST /admin/config), as in force.",
+            names.CONFIG_LABELS,
+            self._live_config,
         )
         info(
             names.MODEL_CONFIG_INFO,
@@ -236,6 +250,23 @@ class PrometheusStatLogger:
             max_num_batched_tokens=engine.max_num_batched_tokens,
             registry=registry,
         )
+
+    def observe_live_config(self, live: Any) -> None:
+        """The run-time settings changed (``live_config.LiveConfig``): both info metrics show the new
+        values from this scrape on (one label set each, the old one removed)."""
+        self._replace_info(self._config_info, names.CONFIG_LABELS, self._live_config, live.as_dict())
+        cache = {**self._cache_config, "preemption_mode": live.preemption_mode}
+        self._replace_info(self._cache_info, names.CACHE_CONFIG_LABELS, self._cache_config, cache)
+
+    @staticmethod
+    def _replace_info(gauge: Gauge, keys: tuple[str, ...], old: dict[str, Any], new: dict[str, Any]) -> None:
+        before = {k: _label(old.get(k)) for k in keys}
+        after = {k: _label(new.get(k)) for k in keys}
+        if before != after:
+            gauge.remove(*(before[k] for k in keys))
+            gauge.labels(**after).set(1)
+        old.clear()
+        old.update(new)
 
     # ------------------------------------------------------------------ entry points
     def __call__(self, sched: SchedulerStats, it: IterationStats) -> None:

@@ -53,6 +53,10 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # intermediate size).
 MODEL_CONFIG_INFO = "kvpilot_model_config_info"  # ours alone: Prometheus naming (no ":")
 
+# Ours: the settings that change at run time (``POST /admin/config``), as in force at this scrape.
+CONFIG_INFO = "kvpilot_config_info"
+CONFIG_LABELS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode")
+
 CACHE_CONFIG_LABELS = (
     "block_size",
     "num_gpu_blocks",
@@ -121,7 +125,7 @@ HISTOGRAMS = (
     REQUEST_GENERATION_TOKENS,
     ITERATION_TOKENS_TOTAL,
 )
-INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO)
+INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO, CONFIG_INFO)
 ALL_METRICS = GAUGES + COUNTERS + HISTOGRAMS + INFO
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 

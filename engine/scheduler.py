@@ -26,6 +26,7 @@ prompt token itself, copying the shared partial block on write.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
@@ -150,6 +151,17 @@ class Scheduler:
                 self.waiting.append(sib)
             req.pending_forks = []
 
+    def reconfigure(self, max_num_seqs: int, max_num_batched_tokens: int, preemption_mode: str) -> None:
+        """New bounds and preemption mode from the next step on (validated by ``live_config``). Running
+        requests above a lowered ``max_num_seqs`` are preempted by that step; requests already swapped
+        out resume as before whatever the mode."""
+        self.config = dataclasses.replace(
+            self.config,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode=preemption_mode,
+        )
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; allocate their KV slots."""
@@ -157,6 +169,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, tuple[Request, int]] = {}
         preempted: list[str] = []
+
+        # A max_num_seqs lowered at run time takes effect at once: the newest running requests make way,
+        # as preemption victims do (re-queued or swapped, never dropped).
+        while len(self.running) > self.config.max_num_seqs:
+            victim = max(self.running, key=lambda r: r.arrival_seq)
+            self._preempt(victim)
+            preempted.append(victim.req_id)
 
         active = [r for r in self.running if not r.is_paused]
         decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]

@@ -1,6 +1,7 @@
-"""The FastAPI application: OpenAI endpoints under ``/v1`` and the API's description (``/openapi.json``,
-``/docs``), all API key protected when one is set, plus the open operational endpoints ``/health``,
-``/metrics`` and ``/version`` (open as in vLLM: probes and Prometheus carry no key)."""
+"""The FastAPI application: OpenAI endpoints under ``/v1``, the API's description (``/openapi.json``,
+``/docs``) and the run-time settings (``GET``/``POST /admin/config``, see ``engine.live_config``), all
+API key protected when one is set, plus the open operational endpoints ``/health``, ``/metrics`` and
+``/version`` (open as in vLLM: probes and Prometheus carry no key)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpilot import __version__
+from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.server import protocol
 from kvpilot.engine.server.chat import create_chat_completion
 from kvpilot.engine.server.completions import create_completion
@@ -25,6 +27,7 @@ from kvpilot.engine.server.errors import (
     SERVER_ERROR,
     APIError,
     ClientDisconnected,
+    bad_request,
     error_body,
     from_exception,
 )
@@ -37,7 +40,7 @@ _SAFE_REQUEST_ID = re.compile(r"^[\w.:@/+=-]{1,128}$")
 # nginx's code for "client closed the request": shows up in access logs; nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
 # Paths (and the folders below them) that require the API key when one is set.
-PROTECTED_PATHS = ("/v1", "/openapi.json", "/docs")
+PROTECTED_PATHS = ("/v1", "/openapi.json", "/docs", "/admin")
 
 
 def requires_api_key(path: str) -> bool:
@@ -138,6 +141,19 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/admin/config")
+    async def read_config() -> dict:
+        return state.engine.live_config().as_dict()
+
+    @app.post("/admin/config")
+    async def write_config(request: Request) -> dict:
+        body = await protocol.read_json_body(request)
+        try:
+            live = await state.engine.reconfigure(body)
+        except ConfigError as exc:
+            raise bad_request(str(exc), param=_first_key(body), code="invalid_config") from None
+        return live.as_dict()
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(state, name) for name in state.served_model_names]}
@@ -159,6 +175,10 @@ def build_app(state: ServerState) -> FastAPI:
         return await create_chat_completion(state, body, request)
 
     return app
+
+
+def _first_key(body: dict) -> str | None:
+    return next(iter(body), None) if isinstance(body, dict) else None
 
 
 def _model_card(state: ServerState, name: str) -> dict:

@@ -81,6 +81,7 @@ def serve(
         chat_template=chat_template,
         limits=request_limits_from(args),
     )
+    metrics.observe_live_config(state.engine.live_config())  # the admission bound is the server's
     cfg = engine.model_config
     logger.info(
         "engine ready",
