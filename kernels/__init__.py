@@ -34,6 +34,9 @@ class AttentionBackend:
     paged_attention: Callable
     copy_blocks: Callable
     swap_blocks: Callable
+    # The cpu backend's fused decoder-layer ops (``cpu_ops.FusedOps``); None elsewhere, where the model
+    # runs its torch ops.
+    fused: object | None = None
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
@@ -78,4 +81,5 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> AttentionBacken
         paged_attention=ops.paged_attention,
         copy_blocks=ops.copy_blocks,
         swap_blocks=ops.swap_blocks,
+        fused=ops.fused_ops() if name == "cpu" else None,
     )

@@ -26,6 +26,7 @@ logger = logging.getLogger("kvpilot.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_attention_cpu.cpp"
+SOURCES = (SOURCE, CSRC / "fused_cpu.cpp")
 # -fopenmp-simd: the `omp simd` loops may reassociate their reductions; nothing else is relaxed
 # (no -ffast-math: results must stay within the reference's tolerance).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno"]
@@ -101,7 +102,7 @@ def _build(name: str, directory: Path) -> ModuleType:
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=CFLAGS,
             build_directory=str(directory),
             verbose=False,

@@ -1,9 +1,15 @@
-"""The ``cpu`` backend: a C++ paged-attention kernel that reads K/V in place; the cache ops of torch.
+"""The ``cpu`` backend: a C++ paged-attention kernel that reads K/V in place, a one-pass KV-cache write,
+torch's block copy and swap.
 
 ``paged_attention`` has the signature of ``torch_ops.paged_attention``. The kernel walks each
 request's block table and reads the blocks where they lie (no gather copy, no padded keys), with an
-online softmax in fp32 over the key blocks, parallel over (request, KV head, query tile) on ATen's
+online softmax in fp32 over the key blocks (a prefill tile steps four blocks of 16 at a time),
+parallel over (request, KV head, query tile) on ATen's
 threads. See ``kernels/csrc/paged_attention_cpu.cpp``.
+
+``fused_ops()`` returns the extension's fused elementwise ops of a decoder layer (add + RMSNorm,
+rotary in place, SiLU x up) used for bfloat16 activations, or None where the extension is not
+available; they round as the torch ops they replace (see ``kernels/csrc/fused_cpu.cpp``).
 
 The extension is compiled on first use (``cpu_build``) and cached on disk; ``is_available()`` says
 whether it could be built or loaded, and never raises.
@@ -13,11 +19,20 @@ from __future__ import annotations
 
 import torch
 
+from kvpilot.kernels import torch_ops
 from kvpilot.kernels.cpu_build import load_extension
 from kvpilot.kernels.metadata import AttentionMetadata
-from kvpilot.kernels.torch_ops import copy_blocks, swap_blocks, write_kv_cache
+from kvpilot.kernels.torch_ops import copy_blocks, swap_blocks
 
-__all__ = ["copy_blocks", "is_available", "paged_attention", "swap_blocks", "write_kv_cache"]
+__all__ = [
+    "FusedOps",
+    "copy_blocks",
+    "fused_ops",
+    "is_available",
+    "paged_attention",
+    "swap_blocks",
+    "write_kv_cache",
+]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -25,6 +40,31 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def is_available() -> bool:
     """Whether the C++ kernel is built (or loadable from the cache) in this process."""
     return load_extension() is not None
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``torch_ops.write_kv_cache`` in one pass of the extension (no mask, no host sync per layer)
+    where the dtypes match and the caches are contiguous CPU tensors; the torch op otherwise."""
+    ext = load_extension()
+    if (
+        ext is None
+        or key.dtype != k_cache.dtype
+        or value.dtype != v_cache.dtype
+        or key.device.type != "cpu"
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or slot_mapping.dtype != torch.int64
+    ):
+        torch_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    ext.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -74,3 +114,29 @@ def paged_attention(
         _int32(metadata.block_tables),
         float(scale),
     )
+
+
+class FusedOps:
+    """The fused decoder-layer ops of the C++ extension, used for bfloat16 CPU tensors (``DTYPES``: there
+    they match the torch ops bit for bit; float16 differs in the last bit now and then).
+
+    ``rms_norm(x, weight, eps)``: ``weight * half(rms_norm(float(x)))``, ``x: [num_tokens, hidden]``.
+    ``add_rms_norm_(x, residual, weight, eps)``: ``residual += x`` in place (rounded to the dtype), then
+    ``rms_norm(residual, weight, eps)``. ``rotary_(q, k, cos, sin)``: neox rotary in place on
+    ``q: [T, H, D]``, ``k: [T, Hkv, D]`` (last dimension contiguous), ``cos, sin: [T, D]``.
+    ``silu_and_mul(gate_up)``: ``half(silu(gate)) * up`` of ``[T, 2 * I]``, gate first.
+    """
+
+    DTYPES = (torch.bfloat16,)
+
+    def __init__(self, ext) -> None:
+        self.rms_norm = ext.rms_norm
+        self.add_rms_norm_ = ext.add_rms_norm_
+        self.rotary_ = ext.rotary_
+        self.silu_and_mul = ext.silu_and_mul
+
+
+def fused_ops() -> FusedOps | None:
+    """The fused ops, or None when the extension cannot be built (the failure is logged once)."""
+    ext = load_extension()
+    return FusedOps(ext) if ext is not None else None

@@ -10,6 +10,11 @@ Megatron's split, within one pipeline stage::
 Each layer's ``weight_loader(param, loaded, shard_id=None)`` copies only this rank's part of a
 checkpoint tensor into ``param``. ``loaded`` is anything indexable like a tensor (a safetensors
 ``get_slice`` object reads only the indexed rows or columns, so no rank materialises the full tensor).
+
+On CPU in bfloat16, ``prepack_cpu_linears(model)`` gives each linear (and the LM head) a copy of its
+weight in oneDNN's blocked layout, reordered once: ``F.linear`` on a plain weight reorders it on
+every call. The results are bit for bit those of ``F.linear``; the plain weight stays the parameter
+(loaders, tied embeddings and ``state_dict`` see no change).
 """
 
 from __future__ import annotations
@@ -60,6 +65,76 @@ class SingleRankComm:
         raise RuntimeError("a single-rank engine has no previous pipeline stage")
 
 
+def token_bucket(num_tokens: int) -> int:
+    """The row count a packed matmul runs at: powers of two up to 16, multiples of 16 up to 256, then
+    multiples of 256. oneDNN builds (and keeps) a primitive per shape, about a millisecond each, so a
+    run whose token counts vary step by step would otherwise pay that on most steps."""
+    if num_tokens <= 16:
+        return 1 << max(0, num_tokens - 1).bit_length()
+    if num_tokens <= 256:
+        return -(-num_tokens // 16) * 16
+    return -(-num_tokens // 256) * 256
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the oneDNN-packed copy of ``weight`` when there is one
+    (``x: [num_tokens, in_features]`` zero-padded to ``token_bucket`` rows; rows are independent, so
+    the padding changes no real row's result)."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    num_tokens = x.shape[0]
+    rows = token_bucket(num_tokens) if x.dim() == 2 else num_tokens
+    if rows == num_tokens:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    padded = x.new_zeros(rows, x.shape[1])
+    padded[:num_tokens] = x
+    return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:num_tokens]
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can get a oneDNN-packed copy: a bfloat16 CPU tensor, with this torch's
+    mkldnn ops present and giving exactly ``F.linear``'s result on a small probe."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return False
+    return _prepack_works()
+
+
+_PREPACK_OK: bool | None = None
+
+
+def _prepack_works() -> bool:
+    global _PREPACK_OK
+    if _PREPACK_OK is None:
+        try:
+            g = torch.Generator().manual_seed(0)
+            w = torch.randn(48, 32, generator=g).to(torch.bfloat16)
+            x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            _PREPACK_OK = bool(torch.equal(linear(x, w, None, packed), F.linear(x, w)))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _PREPACK_OK = False
+    return _PREPACK_OK
+
+
+def prepack_cpu_linears(model: nn.Module, batch_hint: int = 64) -> int:
+    """Give every linear layer of ``model`` whose weight ``can_prepack`` a oneDNN-packed copy of it
+    (``batch_hint``: the token count the layout is chosen for; any count runs). Call after the weights
+    are loaded; a later weight change needs another call. Returns the bytes the copies take."""
+    total = 0
+    # An embedding table is a matmul operand only where it serves as the (tied) output projection.
+    tied_head = getattr(model, "embed_tokens", None) if getattr(model, "lm_head", False) is None else None
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            module.packed_weight = None
+            is_matmul = not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead)
+            if (is_matmul or module is tied_head) and can_prepack(module.weight):
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+                    module.weight.detach(), batch_hint
+                )
+                total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
 def copy_part(dst: torch.Tensor, part: torch.Tensor) -> None:
     """``dst.copy_(part)``; raises ``ValueError`` when the shapes differ (the loader names the tensor)."""
     if dst.shape != part.shape:
@@ -90,9 +165,10 @@ class ColumnParallelLinear(nn.Module):
         self.shard_ids = tuple(self._parts)
         self.weight = nn.Parameter(torch.empty(row, in_features))
         self.bias = nn.Parameter(torch.empty(row)) if bias else None
+        self.packed_weight = None  # see prepack_cpu_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: ShardId = None) -> None:
         """Rows of checkpoint tensor ``shard_id`` (weight or bias) into their place in ``param``."""
@@ -137,9 +213,10 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed_weight = None  # see prepack_cpu_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.tp_all_reduce(F.linear(x, self.weight, self.bias))
+        return self.comm.tp_all_reduce(linear(x, self.weight, self.bias, self.packed_weight))
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: ShardId = None) -> None:
         if param is self.bias:
@@ -164,6 +241,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.comm = comm
         self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
+        self.packed_weight = None  # the output projection's; see prepack_cpu_linears
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.tp_size == 1:
@@ -176,7 +254,7 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``hidden`` [n, hidden_size] projected on the table: float32 logits [n, vocab_size] on
         tensor-parallel rank 0 (gathered from every rank's rows), None on the others."""
-        logits = self.comm.tp_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.comm.tp_gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))
         if logits is None:
             return None
         if logits.shape[-1] != self.vocab_size:

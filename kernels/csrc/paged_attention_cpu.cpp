@@ -20,6 +20,7 @@
 #include <c10/util/Half.h>
 
 #include "cpu_vec.h"
+#include "fused_cpu.h"
 
 #include <algorithm>
 #include <atomic>
@@ -42,7 +43,14 @@ constexpr int kQueryTile = 16;
 // Key blocks requested ahead of the one being computed.
 constexpr int kPrefetchBlocks = KVPILOT_PREFETCH_BLOCKS;
 
+// Keys per online-softmax step of a prefill tile (whole blocks, at least one): with many rows the max,
+// exp-sum and rescale of each row are paid once per this many keys rather than once per block (1.3x on
+// a prefill tile). A decode item (rows <= kChunkMinRows) steps block by block: it is bound by reading
+// K/V, and the larger step measured 10-15% slower there.
+constexpr int kChunkKeys = 64;
+constexpr int kChunkMinRows = 8;
 
+inline int blocks_per_chunk(int block_size) { return std::max(1, kChunkKeys / block_size); }
 
 struct WorkItem {
   int req;
@@ -61,20 +69,52 @@ struct Strides {
 
 inline int round_up_16(int n) { return (n + 15) / 16 * 16; }
 
-// Key rows and score rows are padded to a multiple of 16 for the 16-key score kernel; padding rows
-// hold zeros or stale (finite) converted keys, and their scores are masked.
+// Key rows and score rows (one chunk of keys) are padded to a multiple of 16 for the 16-key score
+// kernel; padding rows hold zeros or stale (finite) converted keys, and their scores are masked.
 template <typename T>
 struct Scratch {
   std::vector<float> q, acc, k, v, s, m, l;
-  explicit Scratch(int rows, int block_size, int d)
+  explicit Scratch(int rows, int chunk, int d)
       : q(rows * d),
         acc(rows * d),
-        k(round_up_16(block_size) * d),
-        v(round_up_16(block_size) * d),
-        s(rows * round_up_16(block_size)),
+        k(round_up_16(chunk) * d),
+        v(round_up_16(chunk) * d),
+        s(rows * round_up_16(chunk)),
         m(rows),
         l(rows) {}
 };
+
+#if defined(__AVX512F__)
+// acc[r] += sum over keys k < num_keys of p[r][k] * v[k], for rows r0 .. r0 + R - 1 together: each V
+// vector is loaded once for the R rows, and the R * HEAD / 16 accumulators stay in registers.
+template <int HEAD, int R>
+inline void pv_rows(const float* s, int s_stride, const float* vf, float* acc, int r0, int num_keys) {
+  constexpr int kVecs = HEAD / 16;
+  __m512 a[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) a[r][j] = _mm512_loadu_ps(acc + (r0 + r) * HEAD + 16 * j);
+  for (int k = 0; k < num_keys; ++k) {
+    const float* vr = vf + k * HEAD;
+    __m512 v[kVecs];
+    for (int j = 0; j < kVecs; ++j) v[j] = _mm512_loadu_ps(vr + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(s[(r0 + r) * s_stride + k]);
+      for (int j = 0; j < kVecs; ++j) a[r][j] = _mm512_fmadd_ps(p, v[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(acc + (r0 + r) * HEAD + 16 * j, a[r][j]);
+}
+
+// pv_rows for n <= R rows (the count chosen at run time, the register blocking at compile time).
+template <int HEAD, int R>
+inline void pv_upto(int n, const float* s, int s_stride, const float* vf, float* acc, int r0, int num_keys) {
+  if constexpr (R > 1) {
+    if (n < R) return pv_upto<HEAD, R - 1>(n, s, s_stride, vf, acc, r0, num_keys);
+  }
+  pv_rows<HEAD, R>(s, s_stride, vf, acc, r0, num_keys);
+}
+#endif
 
 // HEAD: the head size when known at compile time (fixed trip counts), 0 for any.
 template <typename T, int HEAD>
@@ -106,7 +146,9 @@ void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_c
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
   }
-  const int s_stride = round_up_16(block_size);
+  const int chunk_blocks = rows > kChunkMinRows ? blocks_per_chunk(block_size) : 1;
+  const int chunk = chunk_blocks * block_size;
+  const int s_stride = round_up_16(chunk);
   const bool wide = kWide && d % 16 == 0;
   // A row's running max rose to new_max: scale its accumulator and sum by exp(old - new).
   auto rescale = [&](int r, float new_max) {
@@ -122,14 +164,23 @@ void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_c
   // Keys at positions < kv_end are visible to the item's last query token (at context + q_end - 1).
   const int kv_end = context + item.q_end;
   const int32_t* table = block_tables + item.req * st.table_row;
-  for (int base = 0, blk = 0; base < kv_end; base += block_size, ++blk) {
-    const int num_keys = std::min(block_size, kv_end - base);
-    const int64_t block = table[blk];
-    const T* kb = k_cache + block * st.k_block + item.kv_head * st.k_head;
-    const T* vb = v_cache + block * st.v_block + item.kv_head * st.v_head;
+  // Converts the chunk's first n keys (or values) to fp32 rows dst[0 .. n): key k lies in block
+  // table[blk + k / block_size] (walked block by block, no division per key).
+  int blk = 0;
+  auto load_keys = [&](const T* cache, int64_t block_stride, int64_t head_offset, int64_t token_stride,
+                       int n, float* dst) {
+    for (int j = 0, k0 = 0; k0 < n; ++j, k0 += block_size) {
+      const T* b = cache + int64_t(table[blk + j]) * block_stride + head_offset;
+      const int stop = std::min(block_size, n - k0);
+      for (int k = 0; k < stop; ++k) load_row(b + k * token_stride, dst + (k0 + k) * d, d);
+    }
+  };
+  for (int base = 0; base < kv_end; base += chunk, blk += chunk_blocks) {
+    const int num_keys = std::min(chunk, kv_end - base);
     // This head's rows are short runs spread over each block (its token stride is all KV heads): the
-    // hardware prefetcher misses them, so ask for the blocks ahead while this one is computed.
-    for (int ahead = blk == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+    // hardware prefetcher misses them, so ask for the blocks ahead while this chunk is computed.
+    const int ahead_blocks = std::max(kPrefetchBlocks, chunk_blocks);
+    for (int ahead = blk == 0 ? 1 : ahead_blocks; ahead < chunk_blocks + ahead_blocks; ++ahead) {
       const int ahead_base = base + ahead * block_size;
       if (ahead_base >= kv_end) break;
       const int64_t next = table[blk + ahead];
@@ -137,7 +188,7 @@ void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_c
       prefetch_rows(k_cache + next * st.k_block + item.kv_head * st.k_head, st.k_token, next_keys, d);
       prefetch_rows(v_cache + next * st.v_block + item.kv_head * st.v_head, st.v_token, next_keys, d);
     }
-    for (int k = 0; k < num_keys; ++k) load_row(kb + k * st.k_token, kf + k * d, d);
+    load_keys(k_cache, st.k_block, item.kv_head * st.k_head, st.k_token, num_keys, kf);
     // Scores and the online-softmax update, row by row; p overwrites the scores.
     int max_visible = 0;
     for (int r = 0; r < rows; ++r) {
@@ -198,31 +249,27 @@ void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_c
       l[r] += sum;
     }
 #if defined(__AVX512F__)
-    if (wide && HEAD) {
-      // Per row, the accumulator stays in registers across the block's keys.
-      for (int k = 0; k < max_visible; ++k) load_row(vb + k * st.v_token, vf + k * d, d);
-      for (int r = 0; r < rows; ++r) {
-        const float* pr = s + r * s_stride;
-        float* ar = acc + r * d;
-        __m512 a[HEAD / 16 + 1];
-        for (int j = 0; j < HEAD / 16; ++j) a[j] = _mm512_loadu_ps(ar + 16 * j);
-        for (int k = 0; k < max_visible; ++k) {
-          const __m512 p = _mm512_set1_ps(pr[k]);
-          const float* vr = vf + k * d;
-          for (int j = 0; j < HEAD / 16; ++j) a[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * j), a[j]);
-        }
-        for (int j = 0; j < HEAD / 16; ++j) _mm512_storeu_ps(ar + 16 * j, a[j]);
+    if constexpr (HEAD > 0) {
+      if (wide) {
+        load_keys(v_cache, st.v_block, item.kv_head * st.v_head, st.v_token, max_visible, vf);
+        // kRows rows at a time, so that about 16 independent FMA chains hide the FMA latency (one row
+        // alone is HEAD / 16 chains, each as long as the block).
+        constexpr int kVecs = HEAD / 16;
+        constexpr int kRows = kVecs >= 16 ? 1 : 16 / kVecs;
+        for (int r0 = 0; r0 < rows; r0 += kRows)
+          pv_upto<HEAD, kRows>(std::min(kRows, rows - r0), s, s_stride, vf, acc, r0, max_visible);
+        continue;
       }
-      continue;
     }
 #endif
+    load_keys(v_cache, st.v_block, item.kv_head * st.v_head, st.v_token, max_visible, vf);
     for (int k = 0; k < max_visible; ++k) {
-      load_row(vb + k * st.v_token, vf, d);
+      const float* vr = vf + k * d;
       for (int r = 0; r < rows; ++r) {
         const float p = s[r * s_stride + k];
         float* ar = acc + r * d;
 #pragma omp simd
-        for (int i = 0; i < d; ++i) ar[i] += p * vf[i];
+        for (int i = 0; i < d; ++i) ar[i] += p * vr[i];
       }
     }
   }
@@ -274,7 +321,7 @@ void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v
   std::atomic<int64_t> next{0};
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T> sc(max_rows, block_size, head);
+    Scratch<T> sc(max_rows, blocks_per_chunk(block_size) * block_size, head);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         attend<T, HEAD>(items[i], q, kc, vc, o, qsl, lens, tables, st, num_heads, group, block_size, head,
@@ -340,4 +387,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over the flattened batch (CPU)");
+  m.def("rms_norm", &kvpilot_cpu::rms_norm, "RMSNorm (half-precision rounding as torch)");
+  m.def("add_rms_norm_", &kvpilot_cpu::add_rms_norm_, "Residual add in place, then RMSNorm");
+  m.def("rotary_", &kvpilot_cpu::rotary_, "Neox rotary embedding in place on q and k");
+  m.def("silu_and_mul", &kvpilot_cpu::silu_and_mul, "silu(gate) * up");
+  m.def("write_kv_cache", &kvpilot_cpu::write_kv_cache, "Store K/V rows in their cache slots");
 }

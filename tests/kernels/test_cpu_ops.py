@@ -148,11 +148,32 @@ def test_empty_batch_and_bad_arguments():
         )
 
 
-def test_backend_uses_the_kernel_and_the_torch_cache_ops():
+def test_backend_uses_the_kernels_and_the_torch_block_ops():
     backend = get_backend("cpu", "cpu")
     assert backend.name == "cpu" and backend.paged_attention is cpu_ops.paged_attention
-    assert backend.write_kv_cache is torch_ops.write_kv_cache
+    assert backend.write_kv_cache is cpu_ops.write_kv_cache
+    assert backend.copy_blocks is torch_ops.copy_blocks and backend.swap_blocks is torch_ops.swap_blocks
     assert get_backend("auto", "cpu").name == "cpu"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+def test_write_kv_cache_matches_torch(dtype, num_tokens):
+    """Keys and values as strided views of a fused QKV output, padding (-1) slots among real ones,
+    and a key dtype that differs from the cache's (served by the torch op)."""
+    g = torch.Generator().manual_seed(num_tokens)
+    num_blocks, block_size, heads, d = 40, 8, 3, 32
+    qkv = torch.randn(num_tokens, (4 + 2 * heads) * d, generator=g).to(dtype)
+    key = qkv[:, 4 * d : (4 + heads) * d].view(num_tokens, heads, d)
+    value = qkv[:, (4 + heads) * d :].view(num_tokens, heads, d)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::4] = -1
+    for key_dtype in (dtype, torch.float32 if dtype != torch.float32 else torch.bfloat16):
+        expected = [torch.randn(num_blocks, block_size, heads, d, generator=g).to(dtype) for _ in range(2)]
+        actual = [t.clone() for t in expected]
+        torch_ops.write_kv_cache(key.to(key_dtype), value.to(key_dtype), *expected, slots)
+        cpu_ops.write_kv_cache(key.to(key_dtype), value.to(key_dtype), *actual, slots)
+        assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
 
 
 def test_build_is_cached_across_processes(tmp_path):

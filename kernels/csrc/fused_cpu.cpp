@@ -1,0 +1,374 @@
+// Fused elementwise ops of the decoder layer on CPU, for bfloat16 and float16 activations.
+//
+// Each op reproduces the roundings of the torch ops it replaces (a half-precision result after every
+// torch op), computed in fp32 in one pass over the data:
+//   add_rms_norm_   residual <- x + residual; out <- weight * half(rms_norm(float(residual)))
+//   rms_norm        out <- weight * half(rms_norm(float(x)))
+//   rotary_         q, k <- q * cos + rotate_half(q) * sin (neox style), in place
+//   silu_and_mul    out <- half(silu(gate)) * up, gate and up the two halves of the last dimension
+// Products of two half-precision numbers are exact in fp32, so rotary_ matches torch bit for bit;
+// rms_norm's sum of squares and silu's exp may differ from torch's in the last fp32 bit.
+//
+// Shapes: x, residual, out: [num_tokens, hidden]; q: [num_tokens, num_heads, head_size] and k:
+// [num_tokens, num_kv_heads, head_size] (views whose last dimension is contiguous, e.g. of a fused
+// QKV output); cos, sin: [num_tokens, head_size] in the activations' dtype; gate_up: [num_tokens,
+// 2 * inter].
+
+#include "fused_cpu.h"
+
+#include "cpu_vec.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvpilot_cpu {
+namespace {
+
+inline float to_float(c10::BFloat16 v) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(__builtin_bit_cast(uint16_t, v)) << 16);
+}
+inline float to_float(c10::Half v) { return static_cast<float>(__builtin_bit_cast(_Float16, v)); }
+
+// Round to nearest even, as c10 does (NaN to the canonical quiet NaN).
+inline c10::BFloat16 to_half(float f, c10::BFloat16) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint32_t r = std::isnan(f) ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return __builtin_bit_cast(c10::BFloat16, static_cast<uint16_t>(r));
+}
+inline c10::Half to_half(float f, c10::Half) {
+  return __builtin_bit_cast(c10::Half, static_cast<_Float16>(f));
+}
+
+template <typename T>
+inline float round_trip(float f) {
+  return to_float(to_half(f, T()));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVPILOT_BF16_VEC 1
+// 16 bfloat16 lanes <-> fp32 (the narrowing rounds to nearest even, as c10 does); lanes past n are
+// neither read nor written.
+inline __m512 load16(const c10::BFloat16* p, int64_t n) {
+  const __mmask16 mask = first_lanes(static_cast<int>(std::min<int64_t>(n, 16)));
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 round16(__m512 v) {  // to bfloat16 and back
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(c10::BFloat16* p, __m512 v, int64_t n) {
+  const __mmask16 mask = first_lanes(static_cast<int>(std::min<int64_t>(n, 16)));
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+void norm_rows_vec(const c10::BFloat16* x, c10::BFloat16* residual, const c10::BFloat16* weight,
+                   c10::BFloat16* out, int64_t rows, int64_t n, int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* xr = x + r * x_stride;
+      c10::BFloat16* res = residual ? residual + r * n : nullptr;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        __m512 v = load16(xr + i, n - i);
+        if (res) {
+          v = round16(_mm512_add_ps(v, load16(res + i, n - i)));
+          store16(res + i, v, n - i);
+        }
+        sum = _mm512_fmadd_ps(v, v, sum);
+      }
+      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps);
+      const __m512 scale = _mm512_set1_ps(inv);
+      const c10::BFloat16* src = res ? res : xr;
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 h = round16(_mm512_mul_ps(load16(src + i, n - i), scale));
+        store16(out + r * n + i, _mm512_mul_ps(load16(weight + i, n - i), h), n - i);
+      }
+    }
+  });
+}
+
+void rotary_rows_vec(c10::BFloat16* t, int64_t tokens, int64_t heads, int64_t token_stride,
+                     int64_t head_stride, const c10::BFloat16* cos, const c10::BFloat16* sin, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t tok = begin; tok < end; ++tok) {
+      const c10::BFloat16* c = cos + tok * d;
+      const c10::BFloat16* s = sin + tok * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        c10::BFloat16* row = t + tok * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; i += 16) {
+          const int64_t n = half - i;
+          const __m512 x1 = load16(row + i, n), x2 = load16(row + half + i, n);
+          const __m512 a1 = _mm512_add_ps(round16(_mm512_mul_ps(x1, load16(c + i, n))),
+                                          round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
+                                                                load16(s + i, n))));
+          const __m512 a2 = _mm512_add_ps(round16(_mm512_mul_ps(x2, load16(c + half + i, n))),
+                                          round16(_mm512_mul_ps(x1, load16(s + half + i, n))));
+          store16(row + i, a1, n);
+          store16(row + half + i, a2, n);
+        }
+      }
+    }
+  });
+}
+
+void silu_mul_rows_vec(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t inter,
+                       int64_t in_stride) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* g = gate_up + r * in_stride;
+      for (int64_t i = 0; i < inter; i += 16) {
+        const int64_t n = inter - i;
+        const __m512 x = load16(g + i, n);
+        // sigmoid from e = exp(-|x|) <= 1: 1 / (1 + e) for x >= 0, e / (1 + e) below.
+        const __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);
+        const __m512 silu = round16(_mm512_mul_ps(x, sig));
+        store16(out + r * inter + i, _mm512_mul_ps(silu, load16(g + inter + i, n)), n);
+      }
+    }
+  });
+}
+#endif
+
+template <typename T>
+void norm_rows(const T* x, T* residual, const T* y, const T* weight, T* out, int64_t rows, int64_t n,
+               int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* res = residual ? residual + r * n : nullptr;
+      const T* yr = y ? y + r * n : nullptr;
+      T* o = out + r * n;
+      float sum = 0.0f;
+      if (res) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = round_trip<T>(to_float(xr[i]) + to_float(yr[i]));
+          res[i] = to_half(v, T());
+          sum += v * v;
+        }
+      } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = to_float(xr[i]);
+          sum += v * v;
+        }
+      }
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+      const T* src = res ? res : xr;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float h = round_trip<T>(to_float(src[i]) * inv);
+        o[i] = to_half(to_float(weight[i]) * h, T());
+      }
+    }
+  });
+}
+
+template <typename T>
+void rotary_rows(T* t, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
+                 const T* cos, const T* sin, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t tok = begin; tok < end; ++tok) {
+      const T* c = cos + tok * d;
+      const T* s = sin + tok * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = t + tok * token_stride + h * head_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(row[i]), x2 = to_float(row[i + half]);
+          // torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded.
+          const float a1 = round_trip<T>(x1 * to_float(c[i])) + round_trip<T>(-x2 * to_float(s[i]));
+          const float a2 = round_trip<T>(x2 * to_float(c[i + half])) + round_trip<T>(x1 * to_float(s[i + half]));
+          row[i] = to_half(a1, T());
+          row[i + half] = to_half(a2, T());
+        }
+      }
+    }
+  });
+}
+
+// exp(x) to about 1 ulp over the range silu needs (clamped to [-87, 88]).
+inline float exp_approx(float x) {
+  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
+  const float t = x * 1.4426950408889634f;
+  const float shifter = 12582912.0f;
+  const float k = (t + shifter) - shifter;
+  const float f = t - k;
+  float p = 1.5252733804059841e-05f;
+  p = std::fma(p, f, 1.5403530393381606e-04f);
+  p = std::fma(p, f, 1.3333558146428443e-03f);
+  p = std::fma(p, f, 9.6181291076284772e-03f);
+  p = std::fma(p, f, 5.5504108664821580e-02f);
+  p = std::fma(p, f, 2.4022650695910071e-01f);
+  p = std::fma(p, f, 6.9314718055994531e-01f);
+  p = std::fma(p, f, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter, int64_t in_stride) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * in_stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = to_float(g[i]);
+        const float silu = round_trip<T>(x / (1.0f + exp_approx(-x)));
+        o[i] = to_half(silu * to_float(u[i]), T());
+      }
+    }
+  });
+}
+
+void check_half(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name,
+              " must be bfloat16 or float16");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_half(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [num_tokens, hidden] with a contiguous row");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "weight must be [hidden] in x's dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+#ifdef KVPILOT_BF16_VEC
+  if (x.scalar_type() == at::kBFloat16) {
+    norm_rows_vec(x.data_ptr<c10::BFloat16>(), nullptr, weight.data_ptr<c10::BFloat16>(),
+                  out.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+    return out;
+  }
+#endif
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, nullptr, weight.data_ptr<scalar_t>(),
+                        out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_half(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [num_tokens, hidden] with a contiguous row");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                  residual.scalar_type() == x.scalar_type(), "residual must be a contiguous tensor like x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "weight must be [hidden] in x's dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+#ifdef KVPILOT_BF16_VEC
+  if (x.scalar_type() == at::kBFloat16) {
+    norm_rows_vec(x.data_ptr<c10::BFloat16>(), residual.data_ptr<c10::BFloat16>(),
+                  weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), x.size(0), x.size(1),
+                  x.stride(0), static_cast<float>(eps));
+    return out;
+  }
+#endif
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "add_rms_norm_", [&] {
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                        weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                        x.stride(0), static_cast<float>(eps));
+  });
+  return out;
+}
+
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  check_half(q, "q");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
+              "q and k must be [num_tokens, heads, head_size] with a contiguous last dimension");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type(), "q, k, cos and sin must share a dtype");
+  const int64_t d = q.size(2);
+  TORCH_CHECK(d % 2 == 0 && k.size(2) == d && k.size(0) == q.size(0), "q and k shapes differ");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == q.size(0) * d &&
+                  sin.numel() == cos.numel(), "cos and sin must be contiguous [num_tokens, head_size]");
+#ifdef KVPILOT_BF16_VEC
+  if (q.scalar_type() == at::kBFloat16) {
+    using B = c10::BFloat16;
+    rotary_rows_vec(q.data_ptr<B>(), q.size(0), q.size(1), q.stride(0), q.stride(1), cos.data_ptr<B>(),
+                    sin.data_ptr<B>(), d);
+    rotary_rows_vec(k.data_ptr<B>(), k.size(0), k.size(1), k.stride(0), k.stride(1), cos.data_ptr<B>(),
+                    sin.data_ptr<B>(), d);
+    return;
+  }
+#endif
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "rotary_", [&] {
+    const auto* c = cos.data_ptr<scalar_t>();
+    const auto* s = sin.data_ptr<scalar_t>();
+    rotary_rows<scalar_t>(q.data_ptr<scalar_t>(), q.size(0), q.size(1), q.stride(0), q.stride(1), c, s, d);
+    rotary_rows<scalar_t>(k.data_ptr<scalar_t>(), k.size(0), k.size(1), k.stride(0), k.stride(1), c, s, d);
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_half(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [num_tokens, 2 * inter] with a contiguous row");
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());
+#ifdef KVPILOT_BF16_VEC
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_mul_rows_vec(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), gate_up.size(0), inter,
+                      gate_up.stride(0));
+    return out;
+  }
+#endif
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), inter,
+                            gate_up.stride(0));
+  });
+  return out;
+}
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(),
+              "key and value must be [num_tokens, num_kv_heads, head_size]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "caches must be contiguous [num_blocks, block_size, heads, d]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "key/value and caches must share a dtype");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "head shapes differ");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "the head dimension must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0), "slot_mapping must be int64 [num_tokens]");
+  const int64_t num_tokens = key.size(0), heads = key.size(1), d = key.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = d * key.element_size();
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " out of range");
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t es = key.element_size();
+  at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;  // padding: nothing to store
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kc + (slot[t] * heads + h) * row_bytes, k + (t * key.stride(0) + h * key.stride(1)) * es,
+                    row_bytes);
+        std::memcpy(vc + (slot[t] * heads + h) * row_bytes,
+                    v + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
+      }
+    }
+  });
+}
+
+}  // namespace kvpilot_cpu
