@@ -111,6 +111,14 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "with no '{{' or '{%%' that contains a path separator or ends in .jinja, .j2 or .txt is a "
         "file, which must exist",
     )
+    server.add_argument(
+        "--live-config-file",
+        default=None,
+        metavar="PATH",
+        help="a JSON object of run-time settings (as POST /admin/config takes them) applied once the "
+        "engine is built, before /health answers 200: the values an operator changed at run time. A "
+        "missing file changes nothing; an invalid one fails start-up",
+    )
     defaults = RequestLimits()
     for name, (metavar, what) in _LIMIT_FLAGS.items():
         server.add_argument(
@@ -277,6 +285,28 @@ def run(args: argparse.Namespace) -> int:
         return serve(args, engine_args, api_key, chat_template, sock)
     finally:
         sock.close()
+
+
+def read_live_config_file(path: str | None) -> dict | None:
+    """The JSON object in ``path`` (``--live-config-file``); None when no path is given or no file is
+    there (the settings stay the start-up ones). Raises ConfigError for a file that cannot be read or
+    holds anything but a JSON object."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the live config file {path}: {exc.strerror or exc}") from None
+    try:
+        update = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"the live config file {path} is not JSON: {exc}") from None
+    if not isinstance(update, dict):
+        raise ConfigError(f"the live config file {path} must hold a JSON object, got {type(update).__name__}")
+    return update
 
 
 def request_limits_from(ns: argparse.Namespace) -> RequestLimits:

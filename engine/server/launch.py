@@ -18,10 +18,12 @@ from transformers import AutoTokenizer
 from kvpilot import __version__
 from kvpilot.engine.async_engine import AsyncEngine
 from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.errors import ConfigError
+from kvpilot.engine.live_config import apply_update
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.metrics import LoggingStatLogger, PrometheusStatLogger
 from kvpilot.engine.server.app import build_app
-from kvpilot.engine.server.cli import request_limits_from
+from kvpilot.engine.server.cli import read_live_config_file, request_limits_from
 from kvpilot.engine.server.protocol import GENERATION_CONFIG_KEYS
 from kvpilot.engine.server.serving import ServerState
 
@@ -81,6 +83,14 @@ def serve(
         chat_template=chat_template,
         limits=request_limits_from(args),
     )
+    try:
+        applied = apply_live_config_file(state.engine, args.live_config_file)
+    except ConfigError as exc:  # one clear line: the pod's log says why it does not start
+        logger.error("invalid live config file %s: %s", args.live_config_file, exc)
+        engine.shutdown()
+        return 1
+    if applied is not None:
+        logger.info("run-time settings from %s", args.live_config_file, extra={"fields": applied})
     metrics.observe_live_config(state.engine.live_config())  # the admission bound is the server's
     cfg = engine.model_config
     logger.info(
@@ -141,6 +151,20 @@ def serve(
     finally:
         engine.shutdown()  # stops the worker processes of a parallel engine
     return 0 if server.started else 1
+
+
+def apply_live_config_file(engine: AsyncEngine, path: str | None) -> dict[str, Any] | None:
+    """Apply the settings of ``--live-config-file`` to ``engine`` (call before its loop starts: this
+    writes the scheduler from the calling thread), validated as
+    ``POST /admin/config`` validates them (``live_config.apply_update``): all or nothing. Returns the
+    settings in force afterwards, or None when there is no file. Raises ConfigError for an invalid one."""
+    update = read_live_config_file(path)
+    if update is None:
+        return None
+    new = apply_update(engine.live_config(), update, engine.live_limits())
+    engine.engine.scheduler.reconfigure(new.max_num_seqs, new.max_num_batched_tokens, new.preemption_mode)
+    engine.max_waiting_requests = new.max_waiting_requests
+    return new.as_dict()
 
 
 def generation_defaults(model_dir: str) -> dict[str, Any]:

@@ -31,6 +31,12 @@ ENGINE_NAME = "kvpilot-engine"
 COMPONENT = "engine"
 MANAGED_BY = "kvpilot-operator"
 
+
+def live_config_name(isvc_name: str) -> str:
+    """The ConfigMap holding an InferenceService's live configuration (runtime kvpilot)."""
+    return f"{isvc_name}-live-config"
+
+
 # On every child: a hash of the desired manifest; an unchanged hash means nothing to write.
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 
@@ -48,16 +54,25 @@ MODEL_MOUNT = "/mnt/models"
 HF_HOME = "/var/cache/huggingface"
 TMP_MOUNT = "/tmp"
 SHM_MOUNT = "/dev/shm"
-MANAGED_MOUNTS = (TMP_MOUNT, SHM_MOUNT, MODEL_MOUNT, HF_HOME)
+# The live configuration (runtime kvpilot): the run-time engine settings in force, which an engine pod
+# applies at start (``kvpilot serve --live-config-file``). A ConfigMap of the operator's, one per
+# InferenceService; its content never enters the pod template, so a live change rolls nothing out.
+LIVE_CONFIG_MOUNT = "/etc/kvpilot-live"
+LIVE_CONFIG_KEY = "live-config.json"
+LIVE_CONFIG_FILE = f"{LIVE_CONFIG_MOUNT}/{LIVE_CONFIG_KEY}"
+LIVE_CONFIG_FLAG = "--live-config-file"
+ADMIN_CONFIG_PATH = "/admin/config"
+MANAGED_MOUNTS = (TMP_MOUNT, SHM_MOUNT, MODEL_MOUNT, HF_HOME, LIVE_CONFIG_MOUNT)
 # Volumes of the engine pod the operator manages (spec.extraVolumes cannot replace them).
 VOLUME_TMP = "tmp"
 VOLUME_SHM = "dshm"
 VOLUME_MODEL = "model"
 VOLUME_HF_CACHE = "hf-cache"
-MANAGED_VOLUMES = frozenset({VOLUME_TMP, VOLUME_SHM, VOLUME_MODEL, VOLUME_HF_CACHE})
+VOLUME_LIVE_CONFIG = "live-config"
+MANAGED_VOLUMES = frozenset({VOLUME_TMP, VOLUME_SHM, VOLUME_MODEL, VOLUME_HF_CACHE, VOLUME_LIVE_CONFIG})
 # Server flags of `kvpilot serve` the operator sets (spec.extraArgs cannot repeat them); every engine
 # argument's flag is managed too, through spec.engine.
-MANAGED_SERVER_FLAGS = frozenset({"--host", "--port", "--served-model-name", "--api-key"})
+MANAGED_SERVER_FLAGS = frozenset({"--host", "--port", "--served-model-name", "--api-key", LIVE_CONFIG_FLAG})
 
 # Environment variables the engine reads.
 ENV_HF_HOME = "HF_HOME"

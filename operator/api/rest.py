@@ -19,6 +19,8 @@ PLURALS = {
     "ServiceMonitor": "servicemonitors",
     "Event": "events",
     "Pod": "pods",
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
     names.KIND: names.PLURAL,
 }
 

@@ -13,6 +13,9 @@ for the engine Deployment the operator renders (``render.builders.build_deployme
   machine cannot honour (``--device cuda``, the Triton backend, GPU limits) are changed or ignored with
   one log line each; ``resources.requests.cpu`` sets ``OMP_NUM_THREADS``. On a GPU machine each replica
   gets GPUs of its own (``CUDA_VISIBLE_DEVICES``, as many as its pod's limit) while there are enough.
+- The live-config ConfigMap (runtime kvpilot) is mounted as a cluster's kubelet mounts it: written to a
+  file before every start, its path passed as ``--live-config-file``; a replica started after a live
+  change runs the values in force.
 - Readiness is the container's readiness probe (``GET /health``); only ready pods are endpoints.
 - A process that exits on its own is restarted with the same args after a back-off (1 s doubling to
   30 s); meanwhile its Pod shows ``CrashLoopBackOff``, which ``remediation.pods.classify`` reads as
@@ -83,6 +86,8 @@ class LocalKubelet:
         self.api = api
         self.namespace = namespace
         self.deployment_path = object_path("apps/v1", "Deployment", namespace, name)
+        self.live_config_path = object_path("v1", "ConfigMap", namespace, names.live_config_name(name))
+        self.live_config_file = Path(log_dir) / f"{name}-live-config.json"
         self.log_dir = Path(log_dir)
         self.model_dir = model_dir
         self.vllm_python = vllm_python
@@ -154,6 +159,8 @@ class LocalKubelet:
         (container,) = [c for c in template["spec"]["containers"] if c["name"] == names.ENGINE_CONTAINER]
         port = free_port()
         args, notes = local_args(container, port, model_dir=self.model_dir, gpu=self.gpu)
+        if names.LIVE_CONFIG_FLAG in args:
+            args[args.index(names.LIVE_CONFIG_FLAG) + 1] = str(self.live_config_file)
         command = replica_command(container, self.vllm_python)
         env, env_notes = local_env(container)
         for note in notes + env_notes:
@@ -186,7 +193,22 @@ class LocalKubelet:
         self._spawn(replica)
         return replica
 
+    def write_live_config(self) -> None:
+        """The live-config ConfigMap's file as a kubelet's volume holds it (no ConfigMap: no file, so
+        the replica runs its start-up values)."""
+        config_map = self.api.read(self.live_config_path)
+        text = ((config_map or {}).get("data") or {}).get(names.LIVE_CONFIG_KEY)
+        if text is None:
+            self.live_config_file.unlink(missing_ok=True)
+            return
+        self.live_config_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.live_config_file.with_suffix(".tmp")
+        partial.write_text(text)
+        partial.replace(self.live_config_file)  # a replica never reads half a file
+
     def _spawn(self, replica: Replica) -> None:
+        if names.LIVE_CONFIG_FLAG in replica.args:
+            self.write_live_config()
         replica.start()
         again = f" (restart {replica.restarts})" if replica.restarts else ""
         self.logger.info(

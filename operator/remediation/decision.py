@@ -36,6 +36,7 @@ class Change:
     to: float
     reason: str = ""
     generation: int | None = None
+    applied_by: str | None = None  # live | rollout (api.live), for applied changes
 
     def to_status(self) -> dict[str, Any]:
         """The status entry (``from`` and ``to`` as JSON numbers, ``time`` RFC 3339)."""
@@ -49,6 +50,8 @@ class Change:
         }
         if self.generation is not None:
             entry["generation"] = self.generation
+        if self.applied_by is not None:
+            entry["appliedBy"] = self.applied_by
         return entry
 
     @classmethod
@@ -63,6 +66,7 @@ class Change:
                 to=entry["to"],
                 reason=str(entry.get("reason", "")),
                 generation=entry.get("generation"),
+                applied_by=entry.get("appliedBy"),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvpilot.operator.api.conditions import condition, find_condition, merge_conditions
 from kvpilot.operator.api.effective import LEVERS
+from kvpilot.operator.api.live import applied_by
 from kvpilot.operator.api.settings import RemediationSettings, Settings
 from kvpilot.operator.api.timefmt import format_time, parse_time
 from kvpilot.operator.remediation.decision import (
@@ -183,6 +184,28 @@ def _override_patch(settings: Settings, change: Change | None, now: float) -> di
     return patch
 
 
+def revert_update(settings: Settings, change: Change, why: str, now: float) -> Update:
+    """Undo ``change``, a live change the pods did not all take (``why``): a ``revert`` entry first in
+    ``status.remediations`` (which freezes the lever for this generation, as after a crash-looping
+    rollout), the override back to the value before it, and a Warning Event. ``settings``: the
+    InferenceService as written with ``change``."""
+    status = settings.isvc.get("status") or {}
+    reason = (
+        f"pods did not take the live change {change.lever}: {change.field} {change.from_:g} → "
+        f"{change.to:g} ({why}): reverting"
+    )
+    revert = Change(
+        now, REVERT, change.field, change.to, change.from_, reason, change.generation, change.applied_by
+    )
+    patch: dict[str, Any] = {
+        "remediations": [revert.to_status(), *(status.get("remediations") or [])][:MAX_HISTORY]
+    }
+    overrides = _override_patch(settings, revert, now)
+    if overrides:
+        patch["effective"] = {"overrides": overrides}
+    return Update(patch, (("Warning", EVENT_REVERTED, reason),), revert)
+
+
 def evaluate(
     settings: Settings, window: MetricWindow, now: float, *, observed_pods: bool = True
 ) -> tuple[Decision, Update]:
@@ -206,6 +229,10 @@ def evaluate(
     change = None
     if decision.action in (APPLY, RECOMMEND_ACTION):
         change = decision.change(now, effective.generation)
+        if decision.action == APPLY:
+            change = dataclasses.replace(
+                change, applied_by=applied_by(settings.spec, change.field, change.to)
+            )
         entries = [change.to_status(), *(status.get(key) or [])][:MAX_HISTORY]
         patch[key] = entries
         history = [change, *history]

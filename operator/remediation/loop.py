@@ -28,14 +28,16 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.live import LIVE, LIVE_FIELDS
 from kvpilot.operator.api.rest import ApiError, Kube, object_path
 from kvpilot.operator.api.settings import Settings, resolve
 from kvpilot.operator.observability.metrics import OperatorMetrics
 from kvpilot.operator.observability.promsource import PrometheusSource
 from kvpilot.operator.options import METRICS_SOURCE_PROMETHEUS, OperatorOptions
 from kvpilot.operator.reconcile.reconciler import Reconciler
-from kvpilot.operator.remediation.decision import APPLY
-from kvpilot.operator.remediation.evaluate import evaluate
+from kvpilot.operator.remediation.decision import APPLY, REVERT, Change
+from kvpilot.operator.remediation.evaluate import EVENT_REVERTED, evaluate, revert_update
+from kvpilot.operator.remediation.live import LiveApplier, read_api_key
 from kvpilot.operator.remediation.pods import PodSet, classify
 from kvpilot.operator.remediation.scrape import Recorder, Scraper
 from kvpilot.operator.remediation.series import PodSeries
@@ -88,6 +90,7 @@ class Autotuner:
             )
         else:
             self.scraper = Scraper(timeout_s=options.scrape_timeout, clock=clock)
+        self.live = LiveApplier(timeout_s=options.scrape_timeout)
         self.recorder = Recorder(options.record) if options.record else None
         self.series: dict[str, PodSeries] = {}
         self._unrendered: set[tuple[str, str]] = set()  # changed status whose children await a re-render
@@ -99,6 +102,7 @@ class Autotuner:
     async def close(self) -> None:
         """Release the HTTP session and the recording file."""
         await self.scraper.close()
+        await self.live.close()
         if self.recorder is not None:
             self.recorder.close()
 
@@ -248,6 +252,68 @@ class Autotuner:
                 await self.reconciler.post_event(live, type_, reason, message)
             if decision.action == APPLY:
                 await self._render(settings.with_status(live), logger)
+                change = update.change
+                if change is not None and change.applied_by == LIVE:
+                    await self._apply_live(settings.with_status(live), service.pods.targets, change, logger)
+
+    async def _apply_live(self, settings: Settings, targets: tuple, change: Change, logger: Any) -> None:
+        """Post a live change to every ready pod of the current configuration (the ConfigMap, for pods
+        that start later, is already written) and check each answer; a pod that did not take it makes
+        it a failed remediation: reverted, in status, the ConfigMap and the pods that took it."""
+        meta = settings.meta
+        namespace, name = meta["namespace"], meta["name"]
+        update = {LIVE_FIELDS[change.field]: int(change.to)}
+        try:
+            api_key = await read_api_key(self.kube, namespace, settings.spec)
+        except ValueError as exc:
+            failed = {t.name: str(exc) for t in targets}
+            took: list = []
+        else:
+            answers = await self.live.apply(targets, update, api_key)
+            failed = {pod: why for pod, why in answers.items() if why is not None}
+            took = [t for t in targets if answers[t.name] is None]
+        if not failed:
+            logger.info(f"{namespace}/{name}: {change.field} {change.to:g} live in {len(took)} pod(s)")
+            return
+        why = "; ".join(f"{pod}: {reason}" for pod, reason in sorted(failed.items()))
+        logger.warning(f"{namespace}/{name}: live change of {change.field} failed: {why}")
+        if change.lever == REVERT:
+            # Nothing older to go back to: the status and the ConfigMap hold the reverted value, which
+            # every pod started from now on runs.
+            await self.reconciler.post_event(
+                settings.isvc, "Warning", EVENT_REVERTED, f"live revert of {change.field} not taken: {why}"
+            )
+            return
+        # Re-read: the re-render wrote the status since (still under the reconcile lock).
+        path = object_path(names.API_VERSION, names.KIND, namespace, name)
+        isvc = await self.kube.get(path)
+        head = ((isvc or {}).get("status") or {}).get("remediations") or [{}]
+        if isvc is None or isvc.get("spec") != settings.isvc.get("spec") or head[0] != change.to_status():
+            logger.warning(
+                f"{namespace}/{name}: changed since the live change of {change.field}: not reverting"
+            )
+            return
+        settings = settings.with_status(isvc)
+        revert = revert_update(settings, change, why, self.clock())
+        body = {"metadata": {"resourceVersion": isvc["metadata"]["resourceVersion"]}}
+        try:
+            written = await self.kube.merge_patch(path + "/status", {**body, "status": revert.patch})
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            # Written concurrently (e.g. a spec edit): the next tick decides on the new object.
+            logger.warning(f"{namespace}/{name}: the revert of {change.field} met a concurrent write")
+            return
+        for type_, reason, message in revert.events:
+            await self.reconciler.post_event(written, type_, reason, message)
+        reverted = settings.with_status(written)
+        await self._render(reverted, logger)
+        if took:
+            back = {LIVE_FIELDS[change.field]: int(change.from_)}
+            answers = await self.live.apply(took, back, api_key)
+            still = {pod: why for pod, why in answers.items() if why is not None}
+            if still:
+                logger.warning(f"{namespace}/{name}: pods did not take the revert of {change.field}: {still}")
 
     async def _render(self, settings: Settings, logger: Any) -> None:
         """Re-render the children from ``status.effective``; a failed pass is retried next tick."""

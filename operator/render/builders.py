@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from kvpilot.operator.api import names
+from kvpilot.operator.api import live, names
 from kvpilot.operator.api.settings import Settings
 from kvpilot.operator.render.podspec import build_pod_spec
 
@@ -84,7 +84,7 @@ def build_deployment(settings: Settings) -> dict[str, Any]:
     """The engine Deployment: ``settings.effective.replicas`` pods running ``kvpilot serve``."""
     isvc, spec, effective = settings.isvc, settings.spec, settings.effective
     pod = spec.get("pod") or {}
-    pod_spec = build_pod_spec(spec, effective)
+    pod_spec = build_pod_spec(spec, effective, isvc["metadata"]["name"])
     pod_labels = {**(pod.get("labels") or {}), **common_labels(isvc)}
     pod_annotations = {
         **(pod.get("annotations") or {}),
@@ -113,6 +113,22 @@ def build_deployment(settings: Settings) -> dict[str, Any]:
         "template": template,
     }
     return _with_hash(deployment)
+
+
+def live_config_data(settings: Settings) -> dict[str, Any]:
+    """The live values in force (``api.live.live_values``), as the engine applies them."""
+    return live.live_values(settings.spec, settings.effective)
+
+
+def build_live_config(settings: Settings) -> dict[str, Any]:
+    """The ConfigMap with the live values in force (runtime kvpilot), which every engine pod applies at
+    start (``kvpilot serve --live-config-file``): a pod started after a live change runs its values.
+    Its content is not in the pod template, so changing it rolls nothing out."""
+    config_map = _metadata(settings.isvc, "v1", "ConfigMap")
+    config_map["metadata"]["name"] = names.live_config_name(settings.isvc["metadata"]["name"])
+    text = json.dumps(live_config_data(settings), sort_keys=True)
+    config_map["data"] = {names.LIVE_CONFIG_KEY: text + "\n"}
+    return _with_hash(config_map)
 
 
 def build_service(isvc: dict[str, Any]) -> dict[str, Any]:
@@ -164,6 +180,9 @@ def build_children(settings: Settings) -> list[dict[str, Any]]:
     """Every child object, in apply order. ``settings`` must be valid (``Settings.is_valid``)."""
     isvc = settings.isvc
     children = [build_deployment(settings), build_service(isvc), build_pdb(isvc)]
+    if live.supports_live(settings.spec):
+        # The pods mount it as optional: one that starts before it exists runs the start-up values.
+        children.append(build_live_config(settings))
     if service_monitor_enabled(settings):
         children.append(build_service_monitor(settings))
     return children

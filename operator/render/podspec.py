@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 from kvpilot.engine.config import to_cli_args
-from kvpilot.operator.api import names
+from kvpilot.operator.api import live, names
 from kvpilot.operator.api.effective import Effective
 from kvpilot.operator.api.runtime import RUNTIME_VLLM
 from kvpilot.operator.api.spec import DEFAULTS, ModelSource, engine_snake_args, parse_model_source
@@ -91,7 +91,10 @@ def engine_args(spec: dict[str, Any], effective: Effective) -> list[str]:
         "--served-model-name",
         served_model_name(spec, source),
     ]
-    return head + to_cli_args(engine_snake_args(effective.engine)) + extra
+    # The live values are not in the template (a live change rolls nothing out): each pod reads them
+    # from the live-config ConfigMap at start.
+    engine = to_cli_args(engine_snake_args(live.startup_engine(spec, effective)))
+    return head + engine + [names.LIVE_CONFIG_FLAG, names.LIVE_CONFIG_FILE] + extra
 
 
 def _secret_env(name: str, ref: dict[str, Any]) -> dict[str, Any]:
@@ -123,6 +126,21 @@ def _model_volumes(spec: dict[str, Any], source: ModelSource) -> tuple[list[dict
             env.append(_secret_env(names.ENV_HF_TOKEN, spec["model"]["tokenSecretRef"]))
         return [volume], [mount], env
     return [], [], []  # file://: the weights are part of the image
+
+
+def _live_config_volumes(spec: dict[str, Any], isvc_name: str) -> list[dict[str, Any]]:
+    """The live-config ConfigMap as a volume (runtime kvpilot). Optional: a pod that starts before the
+    operator wrote it runs the start-up values."""
+    if not live.supports_live(spec):
+        return []
+    config_map = {"name": names.live_config_name(isvc_name), "optional": True}
+    return [{"name": names.VOLUME_LIVE_CONFIG, "configMap": config_map}]
+
+
+def _live_config_mounts(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    if not live.supports_live(spec):
+        return []
+    return [{"name": names.VOLUME_LIVE_CONFIG, "mountPath": names.LIVE_CONFIG_MOUNT, "readOnly": True}]
 
 
 def _resources(spec: dict[str, Any], effective: Effective) -> dict[str, Any]:
@@ -187,6 +205,7 @@ def build_container(spec: dict[str, Any], effective: Effective) -> dict[str, Any
             {"name": names.VOLUME_TMP, "mountPath": names.TMP_MOUNT},
             {"name": names.VOLUME_SHM, "mountPath": names.SHM_MOUNT},
             *mounts,
+            *_live_config_mounts(spec),
             *(dict(item) for item in spec.get("extraVolumeMounts") or []),
         ],
         "securityContext": {
@@ -201,8 +220,9 @@ def build_container(spec: dict[str, Any], effective: Effective) -> dict[str, Any
     return container
 
 
-def build_pod_spec(spec: dict[str, Any], effective: Effective) -> dict[str, Any]:
-    """The pod spec of the engine Deployment's template."""
+def build_pod_spec(spec: dict[str, Any], effective: Effective, isvc_name: str) -> dict[str, Any]:
+    """The pod spec of the engine Deployment's template (``isvc_name``: its InferenceService's name,
+    which names the live-config ConfigMap)."""
     source = parse_model_source(spec["model"]["source"])
     volumes, _, _ = _model_volumes(spec, source)
     shm: dict[str, Any] = {"medium": "Memory"}
@@ -225,6 +245,7 @@ def build_pod_spec(spec: dict[str, Any], effective: Effective) -> dict[str, Any]
             # NCCL and torch's worker processes exchange tensors through /dev/shm.
             {"name": names.VOLUME_SHM, "emptyDir": shm},
             *volumes,
+            *_live_config_volumes(spec, isvc_name),
             *(dict(item) for item in spec.get("extraVolumes") or []),
         ],
     }

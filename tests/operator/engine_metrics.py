@@ -6,11 +6,14 @@ reader is tested against the real exposition format. A new ``EngineMetrics`` is 
 its counter starts at 0 with a new creation time.
 
 ``ScriptedEngine`` serves one on 127.0.0.1 (a thread), its preemption counter advancing at a set rate
-in real time: the "pod" of the operator integration tests.
+in real time: the "pod" of the operator integration tests. It also answers ``GET``/``POST
+/admin/config`` as ``kvpilot serve`` does (API key, a 400 error body for a refused update, the values
+in force), recording every update it is sent.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -103,12 +106,25 @@ class ScriptedEngine:
     """An HTTP server on 127.0.0.1 serving an ``EngineMetrics`` whose counter grows at ``rate``/s.
 
     ``restart()`` swaps in a fresh ``EngineMetrics`` (a counter reset); ``fail = True`` answers 500.
+    ``config``: the run-time settings in force (``/admin/config``); ``api_key``: required there when
+    set; ``refuse = True`` answers every update with a 400; ``updates``: the bodies posted to it.
     """
 
-    def __init__(self, metrics: EngineMetrics | None = None, rate: float = 0.0) -> None:
+    def __init__(
+        self, metrics: EngineMetrics | None = None, rate: float = 0.0, api_key: str | None = None
+    ) -> None:
         self.metrics = metrics or EngineMetrics()
         self.rate = rate
         self.fail = False
+        self.refuse = False
+        self.api_key = api_key
+        self.config = {
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 8192,
+            "max_waiting_requests": None,
+            "preemption_mode": "recompute",
+        }
+        self.updates: list[dict] = []
         self.requests = 0
         self._last = time.monotonic()
         self._lock = threading.Lock()
@@ -116,9 +132,25 @@ class ScriptedEngine:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path == "/admin/config":
+                    self._admin(None)
+                    return
                 body, status = engine._render()
                 self.send_response(status)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                self._admin(json.loads(self.rfile.read(length) or b"null"))
+
+            def _admin(self, update) -> None:
+                status, answer = engine._admin(self.path, self.headers.get("Authorization"), update)
+                body = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -140,6 +172,23 @@ class ScriptedEngine:
             if self.fail:
                 return b"engine error", 500
             return self.metrics.text().encode(), 200
+
+    def _admin(self, path: str, authorization: str | None, update) -> tuple[int, dict]:
+        def error(status: int, message: str) -> tuple[int, dict]:
+            return status, {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+
+        if path != "/admin/config":
+            return error(404, "not found")
+        if self.api_key is not None and authorization != f"Bearer {self.api_key}":
+            return error(401, "invalid API key")
+        with self._lock:
+            if update is None:
+                return 200, dict(self.config)
+            self.updates.append(update)
+            if self.refuse:
+                return error(400, f"{next(iter(update), 'the update')} cannot change at run time")
+            self.config.update(update)
+            return 200, dict(self.config)
 
     def set_rate(self, rate: float) -> None:
         """From now on, ``rate`` preemptions per second."""

@@ -15,8 +15,8 @@ OPERATOR = REPO / "operator"
 # Folders that import no client: api, render and remediation decide; reconcile acts only through the
 # API client it is handed (``api.rest.Kube``), so it imports none either.
 PURE_FOLDERS = ("api", "render", "reconcile", "remediation")
-# The remediation loop and its scraper do the I/O of remediation; everything else there is pure.
-IO_MODULES = {"remediation.loop", "remediation.scrape"}
+# The remediation loop, its scraper and its live-change poster do the I/O of remediation; the rest is pure.
+IO_MODULES = {"remediation.loop", "remediation.scrape", "remediation.live"}
 # matplotlib too: the demo imports it only when it draws the plot.
 HEAVY = {"torch", "transformers", "tokenizers", "safetensors", "triton", "numpy", "matplotlib"}
 # Folders only `kvpilot up` and `make demo` use; the operator image leaves them out.

@@ -42,6 +42,7 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--served-model-name")
+    parser.add_argument("--live-config-file")
     casts = {"int": int, "float": float, "str": str}
     for f in engine_arg_fields():
         base = str(f.type).split("|")[0].strip()
@@ -135,6 +136,8 @@ def test_args_are_the_served_name_and_the_effective_engine_flags(make_isvc):
         "swap",
         "--swap-space",
         "8",
+        "--live-config-file",
+        "/etc/kvpilot-live/live-config.json",
     ]
     parsed = serve_parser().parse_args(container["args"])
     assert (parsed.max_num_seqs, parsed.enable_prefix_caching, parsed.swap_space) == (64, False, 8.0)
@@ -250,10 +253,11 @@ def test_scheduling_fields_pass_through(make_isvc):
 def test_labels_selectors_and_owner_references(make_isvc):
     isvc = make_isvc()
     children = children_of(isvc)
-    assert sorted(children) == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert sorted(children) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
     selector = {names.LABEL_ISVC: "llama", names.LABEL_COMPONENT: "engine"}
     for child in children.values():
-        assert child["metadata"]["name"] == "llama" and child["metadata"]["namespace"] == "llm"
+        expected = "llama-live-config" if child["kind"] == "ConfigMap" else "llama"
+        assert child["metadata"]["name"] == expected and child["metadata"]["namespace"] == "llm"
         assert child["metadata"]["labels"][names.LABEL_MANAGED_BY] == names.MANAGED_BY
         assert child["metadata"]["ownerReferences"] == [
             {

@@ -137,7 +137,10 @@ def test_helm_test_passes_on_a_healthy_install(api, health_server):
     result = run_check(api, port)
     assert result.returncode == 0, result.stdout + result.stderr
     columns = len(crd["spec"]["versions"][0]["additionalPrinterColumns"])
-    assert f"ok: CRD inferenceservices.serving.kvpilot.io serves v1alpha1 with {columns} columns" in result.stdout
+    assert (
+        f"ok: CRD inferenceservices.serving.kvpilot.io serves v1alpha1 with {columns} columns"
+        in result.stdout
+    )
 
 
 def test_helm_test_fails_when_the_operator_does_not_answer(api):

@@ -40,7 +40,8 @@ def test_the_starting_example_renders_what_its_header_promises():
     assert EXAMPLE in EXAMPLES and len(EXAMPLES) >= 3
     example = yaml.safe_load(EXAMPLE.read_text())
     children = {c["kind"]: c for c in build_children(resolve(example))}
-    assert sorted(children) == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert sorted(children) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert children["ConfigMap"]["data"] == {"live-config.json": "{}\n"}  # no live change yet
     deployment = children["Deployment"]
     assert deployment["spec"]["replicas"] == 2
     (container,) = deployment["spec"]["template"]["spec"]["containers"]

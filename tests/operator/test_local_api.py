@@ -41,8 +41,12 @@ def test_reconcile_renders_exactly_what_the_builders_build(make_isvc):
     assert isvc["metadata"]["generation"] == 1 and isvc["metadata"]["uid"]
     outcome = run(reconcile(api, resolve(isvc), _noop))
     assert outcome.problems == [] and outcome.conflicts == []
-    assert sorted(outcome.written) == ["Created Deployment llama", "Created PodDisruptionBudget llama",
-                                       "Created Service llama"]  # fmt: skip
+    assert sorted(outcome.written) == [
+        "Created ConfigMap llama-live-config",
+        "Created Deployment llama",
+        "Created PodDisruptionBudget llama",
+        "Created Service llama",
+    ]
     expected = {c["kind"]: c for c in build_children(resolve(isvc))}
     deployment = api.read(DEPLOYMENT_PATH)
     assert deployment["spec"] == expected["Deployment"]["spec"]

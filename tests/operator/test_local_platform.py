@@ -160,6 +160,13 @@ def test_new_configuration_restarts_with_the_rendered_args_and_scales(platforms,
     expected = rendered[1:]
     expected[expected.index("--host") + 1] = "127.0.0.1"
     expected[expected.index("--port") + 1] = second["url"].rsplit(":", 1)[1]
+    # The live-config ConfigMap's file, where the local kubelet mounts it.
+    local_file = second["args"][second["args"].index("--live-config-file") + 1]
+    assert (
+        local_file.endswith("/tiny-live-config.json")
+        and local_file != rendered[rendered.index("--live-config-file") + 1]
+    )
+    expected[expected.index("--live-config-file") + 1] = local_file
     assert second["args"][1:] == expected, "the replica runs exactly the args the builders rendered"
     assert second["args"][second["args"].index("--gpu-memory-utilization") + 1] == "0.6"
     info = samples(second["url"])[m.CACHE_CONFIG_INFO][0].labels

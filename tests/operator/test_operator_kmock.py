@@ -40,6 +40,7 @@ def child_path(kind: str, name: str) -> str:
         "Deployment": f"/apis/apps/v1/namespaces/{NS}/deployments/{name}",
         "Service": f"/api/v1/namespaces/{NS}/services/{name}",
         "PodDisruptionBudget": f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/{name}",
+        "ConfigMap": f"/api/v1/namespaces/{NS}/configmaps/{name}-live-config",
     }[kind]
 
 
@@ -371,8 +372,16 @@ def test_foreign_object_with_the_same_name_is_left_alone(api, operator):
     assert api.get(child_path("Deployment", "taken")) is not None  # the other children are still made
 
 
+def live_config_of(api, name: str) -> dict:
+    return json.loads(api.get(child_path("ConfigMap", name))["data"]["live-config.json"])
+
+
 def test_remediation_overrides_in_status_reach_the_pods(api, operator):
     isvc = create_and_wait(api, new_isvc("override"))
+    template = api.get(child_path("Deployment", "override"))["spec"]["template"]
+    assert live_config_of(api, "override") == {}
+    # A live lever (maxNumSeqs below its start-up value): the ConfigMap the pods read at start
+    # carries it; the pod template does not, so nothing rolls out.
     api.merge_patch(
         isvc_path("override") + "/status",
         {
@@ -381,18 +390,36 @@ def test_remediation_overrides_in_status_reach_the_pods(api, operator):
             }
         },
     )
-    deployment = wait_for(
-        lambda: "32" in args_of(d := api.get(child_path("Deployment", "override"))) and d, what="the override"
-    )
-    args = args_of(deployment)
-    assert args[args.index("--max-num-seqs") + 1] == "32"
+    wait_for(lambda: live_config_of(api, "override") == {"max_num_seqs": 32}, what="the live override")
     isvc = wait_for(
         lambda: (o := api.get(isvc_path("override")))["status"]["effective"]["maxNumSeqs"] == 32 and o
     )
+    assert api.get(child_path("Deployment", "override"))["spec"]["template"] == template
+    args = args_of(api.get(child_path("Deployment", "override")))
+    assert args[args.index("--max-num-seqs") + 1] == "128"  # the start-up value: the live bound's ceiling
+    # A restart lever reaches the pod template.
+    api.merge_patch(
+        isvc_path("override") + "/status",
+        {
+            "status": {
+                "effective": {
+                    "overrides": {
+                        "gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9, "reason": "storm"}
+                    }
+                }
+            }
+        },
+    )
+    deployment = wait_for(
+        lambda: "0.95" in args_of(d := api.get(child_path("Deployment", "override"))) and d,
+        what="the override",
+    )
+    assert deployment["spec"]["template"] != template
     assert isvc["spec"]["engine"]["maxNumSeqs"] == 128, "the operator never writes spec"
     # The user edits the lever: the override no longer applies, the spec wins.
     api.merge_patch(isvc_path("override"), {"spec": {"engine": {"maxNumSeqs": 100}}})
     wait_for(lambda: "100" in args_of(api.get(child_path("Deployment", "override"))), what="the user's value")
+    wait_for(lambda: live_config_of(api, "override") == {}, what="the live override to go")
 
 
 def test_deletion_leaves_nothing_behind(api, operator):
@@ -507,7 +534,7 @@ def test_chart_rbac_grants_exactly_what_the_operator_used(api):
     granted = granted_verbs()
     used = api.verbs
     assert used - granted == set(), "the operator used verbs the chart does not grant"
-    # Only admission-time needs go unobserved here: blockOwnerDeletion checks update on finalizers.
-    assert granted - used == {(names.GROUP, f"{names.PLURAL}/finalizers", "update")}, json.dumps(
-        sorted(granted - used)
-    )
+    # Only admission-time needs go unobserved here: blockOwnerDeletion checks update on finalizers; and
+    # the API key read of a live change (test_remediation_live_kmock uses and checks it).
+    unobserved = {(names.GROUP, f"{names.PLURAL}/finalizers", "update"), ("", "secrets", "get")}
+    assert granted - used == unobserved, json.dumps(sorted(granted - used))

@@ -66,7 +66,7 @@ def test_service_monitor_needs_the_operator_flag(api):
     assert not any(resource == "servicemonitors" for _, resource, _ in api.verbs)
     assert "--service-monitors" in outcome.warnings[0]
     assert ("Warning", "ServiceMonitorUnavailable", outcome.warnings[0]) in events
-    assert len(outcome.written) == 3
+    assert len(outcome.written) == 4  # Deployment, Service, PDB, live-config ConfigMap
     _, quiet = reconcile_once(api, "no-flag", service_monitors=False, announce=False)
     assert quiet == [], "periodic passes do not repeat the warning"
 
@@ -74,8 +74,12 @@ def test_service_monitor_needs_the_operator_flag(api):
 def test_service_monitor_without_its_crd_is_skipped(api):
     create(api, "no-crd", monitoring=MONITORING)
     outcome, _ = reconcile_once(api, "no-crd", service_monitors=True)
-    assert sorted(outcome.written) == ["Created Deployment no-crd", "Created PodDisruptionBudget no-crd",
-                                       "Created Service no-crd"]  # fmt: skip
+    assert sorted(outcome.written) == [
+        "Created ConfigMap no-crd-live-config",
+        "Created Deployment no-crd",
+        "Created PodDisruptionBudget no-crd",
+        "Created Service no-crd",
+    ]
     assert fresh(api, "no-crd")["status"]["phase"] == "Pending"
 
 

@@ -22,7 +22,7 @@ def test_render_example_in_process(capsys):
     assert main(["render", "-f", str(EXAMPLE)]) == 0
     out, err = capsys.readouterr()
     documents = list(yaml.safe_load_all(out))
-    assert [d["kind"] for d in documents] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert [d["kind"] for d in documents] == ["Deployment", "Service", "PodDisruptionBudget", "ConfigMap"]
     assert err == ""
     # The same builders the operator uses: identical output for the same object.
     isvc = yaml.safe_load(EXAMPLE.read_text())
@@ -70,7 +70,7 @@ def test_render_as_a_process_from_stdin():
     )
     assert result.returncode == 0, result.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout)]
-    assert kinds == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert kinds == ["Deployment", "Service", "PodDisruptionBudget", "ConfigMap"]
 
 
 def test_operator_command_line(capsys):

@@ -84,7 +84,6 @@ def manifests() -> list[Path]:
     return sorted((REPO / "examples").glob("*.yaml"))
 
 
-
 def expected_values(engine: dict[str, Any]) -> dict[str, Any]:
     """What vLLM should parse: the keys it has, the CPU budget turned into the KV pool's bytes."""
     out = {key: value for key, value in engine.items() if key in runtime.VLLM_FLAGS}
