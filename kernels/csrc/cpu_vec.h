@@ -34,11 +34,11 @@ inline void store_row(const float* src, float inv, T* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * inv);
 }
 
-// exp(x) for x <= 0 to about 1 ulp: 2^x' split into an integer and a fraction in [-0.5, 0.5], whose
+// exp(x) over [-87, 88] (clamped outside) to about 1 ulp: 2^x' split into an integer and a fraction in [-0.5, 0.5], whose
 // power of two is a degree-7 Taylor polynomial (truncation error < 1e-8). Written so that the
 // compiler vectorises it (std::exp would be a scalar call per score).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
+inline float exp_approx(float x) {
+  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
   const float t = x * 1.4426950408889634f;
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
   const float n = (t + shifter) - shifter;
@@ -54,6 +54,9 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   return p * __builtin_bit_cast(float, bits);
 }
+
+// The softmax's case: x <= 0 (the upper clamp never applies).
+inline float exp_nonpositive(float x) { return exp_approx(x); }
 
 template <typename T>
 inline void prefetch_rows(const T* first, int64_t stride, int num_rows, int d) {

@@ -199,25 +199,6 @@ void rotary_rows(T* t, int64_t tokens, int64_t heads, int64_t token_stride, int6
   });
 }
 
-// exp(x) to about 1 ulp over the range silu needs (clamped to [-87, 88]).
-inline float exp_approx(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
-  const float t = x * 1.4426950408889634f;
-  const float shifter = 12582912.0f;
-  const float k = (t + shifter) - shifter;
-  const float f = t - k;
-  float p = 1.5252733804059841e-05f;
-  p = std::fma(p, f, 1.5403530393381606e-04f);
-  p = std::fma(p, f, 1.3333558146428443e-03f);
-  p = std::fma(p, f, 9.6181291076284772e-03f);
-  p = std::fma(p, f, 5.5504108664821580e-02f);
-  p = std::fma(p, f, 2.4022650695910071e-01f);
-  p = std::fma(p, f, 6.9314718055994531e-01f);
-  p = std::fma(p, f, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
-
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter, int64_t in_stride) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {

@@ -206,6 +206,10 @@ class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
+
+        def gauge(suffix: str, text: str) -> Gauge:
+            return Gauge(PREFIX + suffix, text, LABELS, registry=r)
+
         self.decisions = Counter(
             PREFIX + "decisions",
             "Remediation decisions, by outcome (acted, recommended, held, stable) and reason class.",
@@ -224,45 +228,29 @@ class OperatorMetrics:
             (*LABELS, "field"),
             registry=r,
         )
-        self.effective = {
-            field: Gauge(PREFIX + suffix, text, LABELS, registry=r)
-            for field, (suffix, text) in EFFECTIVE.items()
-        }
-        self.preemptions = Gauge(
-            PREFIX + "signal_preemptions_per_second",
+        self.effective = {field: gauge(suffix, text) for field, (suffix, text) in EFFECTIVE.items()}
+        self.preemptions = gauge(
+            "signal_preemptions_per_second",
             "Preemptions per second per replica over the last window, as the policy saw it.",
-            LABELS,
-            registry=r,
         )
-        self.kv_usage = Gauge(
-            PREFIX + "signal_kv_cache_usage_ratio",
+        self.kv_usage = gauge(
+            "signal_kv_cache_usage_ratio",
             "KV cache usage (0-1, mean over the window and the replicas), as the policy saw it.",
-            LABELS,
-            registry=r,
         )
-        self.waiting = Gauge(
-            PREFIX + "signal_requests_waiting",
+        self.waiting = gauge(
+            "signal_requests_waiting",
             "Requests waiting per replica (mean over the window), as the policy saw it.",
-            LABELS,
-            registry=r,
         )
-        self.complete = Gauge(
-            PREFIX + "signal_window_complete",
+        self.complete = gauge(
+            "signal_window_complete",
             "1 when the last window was complete and fresh (the policy may act on it), else 0.",
-            LABELS,
-            registry=r,
         )
-        self.storm = Gauge(
-            PREFIX + "preemption_storm",
-            "1 while the last complete window shows a sustained preemption storm, else 0.",
-            LABELS,
-            registry=r,
+        self.storm = gauge(
+            "preemption_storm", "1 while the last complete window shows a sustained preemption storm, else 0."
         )
-        self.exhausted = Gauge(
-            PREFIX + "levers_exhausted",
+        self.exhausted = gauge(
+            "levers_exhausted",
             "1 while there is pressure and every remediation lever is at its limit, else 0.",
-            LABELS,
-            registry=r,
         )
         self.mode = Gauge(
             PREFIX + "remediation_mode",
