@@ -5,6 +5,7 @@
 #   make demo                        a random-weight checkpoint, built once into $(DEMO_DIR) (git-ignored)
 #   make demo MODEL=/path/to/hf-dir  a real Hugging Face model directory (slower on CPU)
 #   KVPILOT_DEMO_QUICK=1 make demo   the short run (CI)
+#   make demo DEMO_ARGS=--no-live    every change rolls out (no live relief): the restart path alone
 DEMO_DIR ?= build/demo
 DEMO_STAMP := $(VENV)/.demo-installed
 
@@ -16,4 +17,4 @@ $(DEMO_STAMP): $(STAMP)
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m kvpilot.operator.demo.run --out $(DEMO_DIR) $(if $(MODEL),--model $(MODEL))
+	OMP_NUM_THREADS=1 $(PY) -m kvpilot.operator.demo.run --out $(DEMO_DIR) $(if $(MODEL),--model $(MODEL)) $(DEMO_ARGS)

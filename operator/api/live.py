@@ -11,7 +11,8 @@ operator splits the effective configuration in two:
   live-config ConfigMap, which every pod applies at start (``kvpilot serve --live-config-file``).
 
 An override above the start-up value (or any override of the other levers) stays in the template: a
-rollout lever. ``spec.runtime: vllm`` has no such endpoint; every lever is a rollout lever there.
+rollout lever. ``spec.runtime: vllm`` has no such endpoint; every lever is a rollout lever there, as
+with ``spec.remediation.liveLevers: false``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ LIVE, ROLLOUT = "live", "rollout"
 
 
 def supports_live(spec: dict[str, Any]) -> bool:
-    """Whether the pods can change settings at run time (kvpilot's engine; vLLM cannot)."""
-    return spec.get("runtime") != RUNTIME_VLLM
+    """Whether live levers apply: the pods can change settings at run time (kvpilot's engine; vLLM
+    cannot) and ``spec.remediation.liveLevers`` is not false."""
+    remediation = spec.get("remediation") or {}
+    return spec.get("runtime") != RUNTIME_VLLM and remediation.get("liveLevers") is not False
 
 
 def startup_value(spec: dict[str, Any], field: str) -> int | None:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpilot.operator.api.effective import Effective, resolve_effective
+from kvpilot.operator.api.live import supports_live
 from kvpilot.operator.api.platform import DEFAULT_PLATFORM, Platform
 from kvpilot.operator.api.spec import apply_defaults, parse_duration
 from kvpilot.operator.api.validation import override_problems, spec_problems
@@ -51,6 +52,7 @@ class RemediationSettings:
     waiting_high: float
     kv_usage_idle: float
     gpus_per_replica: int
+    live: bool  # live levers apply (api.live.supports_live): a live relief first, the restart lever after
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> RemediationSettings:
@@ -75,6 +77,7 @@ class RemediationSettings:
             waiting_high=float(thresholds["requestsWaitingHigh"]),
             kv_usage_idle=float(thresholds["kvCacheUsageIdle"]),
             gpus_per_replica=int(spec["resources"]["gpusPerReplica"]),
+            live=supports_live(dict(spec)),
         )
 
 

@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
         "preemptionRate": 0.05,
         "window": "120s",
         "cooldown": "600s",
+        "liveLevers": True,
         "limits": {
             "maxGpuMemoryUtilization": 0.95,
             "minMaxNumSeqs": 16,

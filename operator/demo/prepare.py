@@ -130,8 +130,11 @@ def calibrate(model: Path, out: Path) -> dict[str, Any]:
     }
 
 
-def write_manifest(path: Path, model: Path, cal: dict[str, Any], window_s: int, cooldown_s: int) -> dict:
-    """The demo's InferenceService (also usable by hand: ``kvpilot up -f`` it)."""
+def write_manifest(
+    path: Path, model: Path, cal: dict[str, Any], window_s: int, cooldown_s: int, live: bool = True
+) -> dict:
+    """The demo's InferenceService (also usable by hand: ``kvpilot up -f`` it). ``live``:
+    ``spec.remediation.liveLevers`` (relief in place first, then the restart lever)."""
     isvc = {
         "apiVersion": names.API_VERSION,
         "kind": names.KIND,
@@ -153,11 +156,13 @@ def write_manifest(path: Path, model: Path, cal: dict[str, Any], window_s: int, 
                 "preemptionRate": THRESHOLD,
                 "window": f"{window_s}s",
                 "cooldown": f"{cooldown_s}s",
+                "liveLevers": live,
                 "limits": {
                     "maxGpuMemoryUtilization": min(1.0, round(cal["fraction"] + 0.1, 4)),
                     "minReplicas": 1,
                     "maxReplicas": 1,
-                    "minMaxNumSeqs": 4,
+                    # A relief may go down to what the pool holds (2 requests of 7 blocks in ~14).
+                    "minMaxNumSeqs": 1,
                     "minMaxNumBatchedTokens": 128,
                 },
             },

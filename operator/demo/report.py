@@ -3,8 +3,13 @@
 Pure except :func:`write_plot` (matplotlib, the ``demo`` extra; imported only there). Phases, in seconds
 since the load started::
 
-    |-- warm-up --|------- before --------|--- rollout ---|-- settle --|------ after ------|
-    load start    +3 s                    remediation     rolled out   +2 s                end
+    |-- warm-up --|------- before --------|-- remediation(s) --|-- settle --|------ after ------|
+    load start    +3 s                    first change         settled      +2 s                end
+
+"Settled": no live relief in force and every rollout complete. Two costs are measured from the first
+change (the storm detected): the time to *relief* (the preemption rate below the storm threshold for
+``RELIEF_HOLD_S``) and the rollout of the restart lever (its change until every replica runs it), each
+with the requests completed meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 WARMUP_S = 3.0
 SETTLE_S = 2.0
+RELIEF_HOLD_S = 5.0
 LABEL_BOX = {"facecolor": "white", "alpha": 0.8, "edgecolor": "none"}
 
 
@@ -33,6 +39,7 @@ class Sample:
     running: float
     num_blocks: int | None
     gpu_memory_utilization: float | None
+    max_num_seqs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +99,49 @@ def phase(timeline: Timeline, trips: list[Trip], begin: float, end: float) -> di
     }
 
 
+def relief_time(
+    timeline: Timeline, since: float, threshold: float, hold_s: float = RELIEF_HOLD_S
+) -> float | None:
+    """When, after ``since``, the preemption rate per replica fell below ``threshold`` to stay there for
+    ``hold_s`` (the start of the first such stretch; None: never)."""
+    samples = [s for s in timeline.samples if s.time > since]
+    start = None
+    previous = since
+    for sample in samples:
+        rate = sample.preemption_rate / max(sample.replicas_ready, 1)
+        if rate < threshold:
+            start = previous if start is None else start
+            if sample.time - start >= hold_s:
+                return start
+        else:
+            start = None
+        previous = sample.time
+    return None
+
+
+def costs(timeline: Timeline, trips: list[Trip], marks: dict[str, float], threshold: float) -> dict[str, Any]:
+    """From the first change: time to relief and how the change that brought it was applied; the
+    restart lever's rollout time; the requests completed over each."""
+    out: dict[str, Any] = {}
+    first = timeline.changes[0] if timeline.changes else None
+    if first is None:
+        return out
+    detected = first["at"]
+    relieved = relief_time(timeline, detected, threshold)
+    out["first_change"] = {"lever": first["lever"], "applied_by": first.get("appliedBy") or "rollout"}
+    if relieved is not None:
+        by = [c for c in timeline.changes if c["at"] <= relieved][-1]
+        out["storm_to_relief_s"] = round(relieved - detected, 1)
+        out["relief_applied_by"] = by.get("appliedBy") or "rollout"
+        out["requests_during_relief"] = sum(1 for t in trips if detected < t.end <= relieved)
+    rollout = next((c for c in timeline.changes if (c.get("appliedBy") or "rollout") == "rollout"), None)
+    if rollout is not None and "rolled_out" in marks:
+        out["rollout_lever"] = rollout["lever"]
+        out["rollout_s"] = round(marks["rolled_out"] - rollout["at"], 1)
+        out["requests_during_rollout"] = sum(1 for t in trips if rollout["at"] < t.end <= marks["rolled_out"])
+    return out
+
+
 def _fmt_s(value: float | None) -> str:
     return f"{value:.2f} s" if value is not None else "-"
 
@@ -108,7 +158,8 @@ def summarize_run(
     t0, end = marks["load_start"], marks["end"]
     remediated = marks.get("remediation")
     before = phase(timeline, trips, t0 + WARMUP_S, remediated or end)
-    after = phase(timeline, trips, marks["rolled_out"] + SETTLE_S, end) if "rolled_out" in marks else None
+    after = phase(timeline, trips, marks["settled"] + SETTLE_S, end) if "settled" in marks else None
+    cost = costs(timeline, trips, marks, threshold)
     why_not = None
     if remediated is None:
         why_not = "no remediation was applied"
@@ -123,14 +174,24 @@ def summarize_run(
     for change in timeline.changes:
         lines.append(
             f"remediation at +{change['t']:.0f}s: {change['lever']}: {change['field']} "
-            f"{change['from']:g} -> {change['to']:g}"
+            f"{change['from']:g} -> {change['to']:g} (applied by {change.get('appliedBy') or 'rollout'})"
         )
         lines.append(f"  why: {change['reason']}")
-    if "rolled_out" in marks and remediated is not None:
+    if "storm_to_relief_s" in cost:
+        how = "in place, no restart" if cost["relief_applied_by"] == "live" else "by a rolling restart"
         lines.append(
-            f"rollout: +{marks['rolled_out'] - t0:.0f}s ({marks['rolled_out'] - remediated:.0f}s after the "
-            f"change); requests refused or cut short over the whole run: {refused}"
+            f"storm -> relief: {cost['storm_to_relief_s']:g} s from the first change to preemptions below "
+            f"{threshold:g}/s ({how}); {cost['requests_during_relief']} requests completed meanwhile"
         )
+    elif remediated is not None:
+        lines.append(f"storm -> relief: the preemption rate never stayed below {threshold:g}/s")
+    if "rollout_s" in cost:
+        lines.append(
+            f"restart path: {cost['rollout_lever']} rolled out in {cost['rollout_s']:g} s (change to every "
+            f"replica on it); {cost['requests_during_rollout']} requests completed meanwhile"
+        )
+    if remediated is not None:
+        lines.append(f"requests refused or cut short over the whole run: {refused}")
     rows = [
         ("preemptions/s per replica", "preemptions_per_s_per_replica", lambda v: f"{v:g}"),
         ("KV cache usage (mean)", "kv_cache_usage", lambda v: f"{v:.0%}" if v is not None else "-"),
@@ -157,6 +218,7 @@ def summarize_run(
         "before": before,
         "after": after,
         "remediations": timeline.changes,
+        **cost,
         "refused_requests": refused,
         "calibration": calibration,
         "loop_closed": why_not is None,
@@ -201,8 +263,8 @@ def write_plot(timeline: Timeline, marks: dict[str, float], threshold: float, pa
     queue = bottom.twinx()
     queue.step(xs, waiting, where="post", color="tab:gray", alpha=0.6, label="requests waiting")
     queue.set_ylabel("requests waiting")
-    if "remediation" in marks and "rolled_out" in marks:
-        span = (marks["remediation"] - t0, marks["rolled_out"] - t0)
+    if "rollout_change" in marks and "rolled_out" in marks:
+        span = (marks["rollout_change"] - t0, marks["rolled_out"] - t0)
         for axis in (top, bottom):
             axis.axvspan(*span, color="tab:orange", alpha=0.12)
         _label(bottom, "rolling restart", span[0], 0.03, "tab:orange")

@@ -11,10 +11,15 @@
 3. ``kvpilot up -f inferenceservice.yaml --local`` (written to ``--out``) runs it: remediation ``Auto``,
    a short window, ``maxSurge: 1`` so the restart drops no request.
 4. A bounded load (8 streaming clients through the front door) while the terminal shows replicas,
-   preemptions/s, KV usage, the queue and every remediation with its reason.
-5. After the remediation and a settled stretch on the new configuration: Ctrl-C to ``kvpilot up`` (no
-   process may outlive it), a summary (before/after preemption rate, throughput, TTFT p50/p99) and a
-   timeline plot (``timeline.png``, with ``summary.json``).
+   preemptions/s, KV usage, the queue and every remediation with its reason. With live levers (the
+   default) the storm is relieved in place first (``relieveMaxNumSeqs``, no restart), the restart lever
+   ``raiseGpuMemoryUtilization`` follows one cooldown later, and ``restoreMaxNumSeqs`` ends the relief
+   once that rolled out; ``--no-live`` (``spec.remediation.liveLevers: false``) runs the restart path
+   alone, for comparison.
+5. Once no relief is in force and the last configuration served a settled stretch: Ctrl-C to
+   ``kvpilot up`` (no process may outlive it), a summary (storm -> relief time and how it was applied,
+   the restart lever's rollout time, requests completed meanwhile, before/after preemption rate,
+   throughput, TTFT p50/p99) and a timeline plot (``timeline.png``, with ``summary.json``).
 
 Exit status 0 only when the loop really ran: a remediation was applied, the preemption rate fell below
 the storm threshold, and every process stopped. ``KVPILOT_DEMO_QUICK=1`` is ``--quick`` (CI).
@@ -38,6 +43,7 @@ from typing import Any
 import aiohttp
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.timefmt import parse_time
 from kvpilot.operator.demo.prepare import (
     THRESHOLD,
     calibrate,
@@ -48,6 +54,7 @@ from kvpilot.operator.demo.prepare import (
     write_manifest,
 )
 from kvpilot.operator.demo.report import Sample, Timeline, Trip, summarize_run, write_plot
+from kvpilot.operator.remediation.decision import RELIEVE_MAX_NUM_SEQS
 from kvpilot.operator.remediation.metrics import parse_scrape
 
 CONCURRENCY = 8
@@ -180,6 +187,7 @@ class Monitor:
             running=running,
             num_blocks=min(blocks) if blocks else None,
             gpu_memory_utilization=effective.get("gpuMemoryUtilization"),
+            max_num_seqs=effective.get("maxNumSeqs"),
         )
         self.timeline.samples.append(sample)
         return sample
@@ -217,6 +225,7 @@ HEADER = "  ".join(
         ("done", 5),
         ("tok/s", 6),
         ("mem. fraction", 13),
+        ("max seqs", 8),
     )
 )
 
@@ -229,15 +238,17 @@ def live_line(sample: Sample, t0: float, load: Load, window: list[Sample]) -> st
     tok_s = sum(t.tokens for t in recent) / span if span else 0.0
     kv = f"{sample.kv_usage:.0%}" if sample.kv_usage is not None else "-"
     fraction = f"{sample.gpu_memory_utilization:g}" if sample.gpu_memory_utilization is not None else "-"
+    seqs = str(sample.max_num_seqs) if sample.max_num_seqs is not None else "-"
     return (
         f"{sample.time - t0:5.0f}s  {sample.replicas_ready:>4}/{sample.replicas_desired:<3}  {rate:9.1f}  "
         f"{kv:>8}  {sample.waiting:7.0f}  {sample.running:7.0f}  {len(load.trips):5d}  {tok_s:6.0f}  "
-        f"{fraction:>13}"
+        f"{fraction:>13}  {seqs:>8}"
     )
 
 
 async def drive(url: str, model_name: str, vocab: int, scenario: Scenario) -> tuple[Monitor, Load, dict]:
-    """Load the platform until a remediation has run and the new configuration served ``after_s``."""
+    """Load the platform until a remediation has run, no live relief is in force, every rollout is
+    complete and the configuration served ``after_s``."""
     t0 = time.time()
     load = Load(url, model_name, vocab)
     monitor = Monitor(url, t0)
@@ -260,23 +271,40 @@ async def drive(url: str, model_name: str, vocab: int, scenario: Scenario) -> tu
             changes = monitor.remediations()
             for change in changes[seen:]:
                 what = f"{change['field']} {change['from']:g} -> {change['to']:g}"
-                say(f"  >> remediation {change['lever']}: {what}")
+                how = change.get("appliedBy") or "rollout"
+                say(f"  >> remediation {change['lever']}: {what} (applied by {how})")
                 say(f"     reason: {change['reason']}")
-                monitor.timeline.changes.append({**change, "t": now - t0})
-                marks.setdefault("remediation", now)
+                at = _change_time(change, now)
+                monitor.timeline.changes.append({**change, "t": at - t0, "at": at})
+                marks.setdefault("remediation", at)
+                marks["last_change"] = now
+                if how != "live":
+                    marks.pop("rolled_out", None)
+                    marks["rollout_change"] = at
+                marks.pop("settled", None)
             seen = len(changes)
             if "remediation" not in marks:
                 if now - t0 > scenario.storm_timeout_s:
                     say(f"no remediation within {scenario.storm_timeout_s:.0f}s")
                     break
-            elif "rolled_out" not in marks:
+                continue
+            if "rollout_change" in marks and "rolled_out" not in marks:
                 if monitor.rolled_out():
                     marks["rolled_out"] = now
                     say(f"  >> rollout complete: every replica runs the new configuration ({now - t0:.0f}s)")
-                elif now - marks["remediation"] > scenario.rollout_timeout_s:
+                elif now - marks["rollout_change"] > scenario.rollout_timeout_s:
                     say(f"the new configuration did not roll out within {scenario.rollout_timeout_s:.0f}s")
                     break
-            elif now - marks["rolled_out"] >= scenario.after_s:
+                continue
+            seqs_changes = [c for c in changes if c["field"] == "maxNumSeqs"]
+            if seqs_changes and seqs_changes[-1]["lever"] == RELIEVE_MAX_NUM_SEQS:
+                # A live relief is in force: the restart lever follows it, then restoreMaxNumSeqs ends it.
+                if now - marks["last_change"] > 2 * scenario.cooldown_s + scenario.rollout_timeout_s:
+                    say("the live relief did not end (no restart lever, or no restoreMaxNumSeqs, in time)")
+                    break
+                continue
+            marks.setdefault("settled", now)
+            if now - marks["settled"] >= scenario.after_s:
                 break
     load.stopping.set()
     try:
@@ -288,6 +316,14 @@ async def drive(url: str, model_name: str, vocab: int, scenario: Scenario) -> tu
 
 
 # --- 3. and 5.: run it -------------------------------------------------------------------------
+
+
+def _change_time(change: dict[str, Any], fallback: float) -> float:
+    """When the operator made a change (its status entry), else when the monitor saw it."""
+    try:
+        return min(parse_time(change["time"]), fallback)
+    except (KeyError, TypeError, ValueError):
+        return fallback
 
 
 def _pids_alive(pids: list[int]) -> list[int]:
@@ -310,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("build/demo"), help="cache and results")
     quick = os.environ.get("KVPILOT_DEMO_QUICK") == "1"
     parser.add_argument("--quick", action="store_true", default=quick, help="a short run (CI)")
+    parser.add_argument(
+        "--no-live",
+        dest="live",
+        action="store_false",
+        help="every change rolls out (spec.remediation.liveLevers: false): the restart path alone",
+    )
     args = parser.parse_args(argv)
     scenario = QUICK if args.quick else FULL
     out = args.out.resolve()
@@ -322,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     say("calibrating: one probe engine measures what weights and activations take...")
     cal = calibrate(model, out)
     manifest = out / "inferenceservice.yaml"
-    isvc = write_manifest(manifest, model, cal, scenario.window_s, scenario.cooldown_s)
+    isvc = write_manifest(manifest, model, cal, scenario.window_s, scenario.cooldown_s, args.live)
     before, after = cal["expected_blocks"]
     say(
         f"KV pool: cpuMemoryBudgetBytes {cal['budget']:,} x gpuMemoryUtilization {cal['fraction']:g} leaves "
@@ -349,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{PROMPT_LEN}-token prompts, {MAX_TOKENS} tokens each"
         )
         vocab = min(int(config.get("vocab_size", 1000)), 1000)
-        monitor, load, marks = asyncio.run(drive(url, isvc["spec"]["model"]["name"], vocab, scenario))
+        name = isvc["spec"]["model"]["name"]
+        monitor, load, marks = asyncio.run(drive(url, name, vocab, scenario))
     except KeyboardInterrupt:
         say("\ninterrupted: stopping kvpilot up")
         stop_process(up, signal.SIGINT, 30)

@@ -35,8 +35,9 @@ Decision outcomes: ``acted`` (Auto applied a change), ``recommended`` (Recommend
 ``held`` (a change is called for but not made) and ``stable`` (nothing to do). Reason classes of a
 held decision: ``cooldown``, ``settling`` (waiting for a full window after a change), ``stale_data``,
 ``bad_data``, ``mid_rollout``, ``pods_failing``, ``at_limit``, ``mode_off``; of an acted or
-recommended one, what it answers: ``storm``, ``demand``, ``idle`` or ``pods_failing`` (a revert);
-of a stable one, ``none``.
+recommended one, what it answers: ``storm``, ``demand``, ``idle``, ``pods_failing`` (a revert) or
+``recovered`` (a live relief ended: maxNumSeqs restored after the restart lever rolled out); of a
+stable one, ``none``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ from kvpilot.operator.remediation.decision import (
     RAISE_TP,
     RECOMMEND,
     RECOMMEND_ACTION,
+    RELIEVE_MAX_NUM_SEQS,
     REMOVE_REPLICA,
+    RESTORE_MAX_NUM_SEQS,
     REVERT,
     Decision,
     history_from_status,
@@ -84,7 +87,7 @@ HELD_REASONS = (
     "at_limit",
     "mode_off",
 )
-ACTED_REASONS = ("storm", "demand", "idle", "pods_failing")
+ACTED_REASONS = ("storm", "demand", "idle", "pods_failing", "recovered")
 MODES = (AUTO, RECOMMEND, OFF)
 # Scrape error kinds (``scrape.Result.kind``) plus ``invalid``: an answer that could not be used.
 SCRAPE_ERROR_KINDS = ("timeout", "http_status", "connection", "body", "invalid")
@@ -93,6 +96,8 @@ SCRAPE_ERROR_KINDS = ("timeout", "http_status", "connection", "body", "invalid")
 LEVER_DIRECTIONS = (
     (RAISE_GPU_MEMORY, "up"),
     (LOWER_MAX_NUM_SEQS, "down"),
+    (RELIEVE_MAX_NUM_SEQS, "down"),
+    (RESTORE_MAX_NUM_SEQS, "up"),
     (LOWER_MAX_BATCHED_TOKENS, "down"),
     (RAISE_TP, "up"),
     (RAISE_PP, "up"),
@@ -139,6 +144,8 @@ def classify_decision(
         outcome = "acted" if decision.action == APPLY else "recommended"
         if decision.lever == REVERT:
             return outcome, "pods_failing"
+        if decision.lever == RESTORE_MAX_NUM_SEQS:
+            return outcome, "recovered"
         if decision.pressure in ("storm", "demand"):
             return outcome, decision.pressure
         return outcome, "idle"

@@ -17,6 +17,10 @@ NONE, APPLY, RECOMMEND_ACTION = "none", "apply", "recommend"
 # Lever names (status.remediations[].lever), in ladder order.
 RAISE_GPU_MEMORY = "raiseGpuMemoryUtilization"
 LOWER_MAX_NUM_SEQS = "lowerMaxNumSeqs"
+# Live levers of a storm's relief (policy): maxNumSeqs lowered in place at once, and restored in place
+# once the restart lever (raiseGpuMemoryUtilization) that follows it has rolled out.
+RELIEVE_MAX_NUM_SEQS = "relieveMaxNumSeqs"
+RESTORE_MAX_NUM_SEQS = "restoreMaxNumSeqs"
 LOWER_MAX_BATCHED_TOKENS = "lowerMaxNumBatchedTokens"
 RAISE_TP = "raiseTensorParallelSize"
 RAISE_PP = "raisePipelineParallelSize"

@@ -22,6 +22,11 @@ PREEMPTIONS_CREATED = m.NUM_PREEMPTIONS_TOTAL.removesuffix("_total") + "_created
 PROCESS_START = "process_start_time_seconds"
 # What one scrape must carry to count; the names as the engine exports them (aliases accepted).
 REQUIRED = (m.NUM_PREEMPTIONS_TOTAL, m.KV_CACHE_USAGE_PERC, m.NUM_REQUESTS_WAITING, m.NUM_REQUESTS_RUNNING)
+# Optional: what finished requests held (prompt + output tokens) and how many finished, from the
+# ``vllm:request_prompt_tokens`` / ``vllm:request_generation_tokens`` histograms. The live relief sizes
+# maxNumSeqs to the KV pool with their mean; without them it falls back to shrinking (policy).
+REQUEST_TOKEN_SUMS = (m.REQUEST_PROMPT_TOKENS + "_sum", m.REQUEST_GENERATION_TOKENS + "_sum")
+REQUESTS_FINISHED = m.REQUEST_GENERATION_TOKENS + "_count"
 # The values a healthy engine can emit: (low, high) inclusive. Anything else is dropped as invalid.
 VALID_RANGE = {
     m.NUM_PREEMPTIONS_TOTAL: (0.0, math.inf),
@@ -52,7 +57,9 @@ class Scrape:
     ``model_info``: the labels of ``vllm:cache_config_info`` and ``kvpilot_model_config_info``.
     ``missing``: required metrics the response lacked. ``invalid``: ``"name=value"`` for each sample of
     a required metric dropped because no healthy engine emits it (NaN, infinite, negative, KV usage
-    outside 0..1); a scrape with any is not used.
+    outside 0..1); a scrape with any is not used. ``request_tokens`` / ``requests_finished``: the
+    prompt + output tokens of the requests finished so far and their count (None when not exported or
+    not a finite non-negative number: optional, so they never make a scrape unusable).
     """
 
     time: float
@@ -66,6 +73,8 @@ class Scrape:
     missing: tuple[str, ...] = ()
     invalid: tuple[str, ...] = ()
     process_start: float | None = None
+    request_tokens: float | None = None
+    requests_finished: float | None = None
 
     @property
     def started(self) -> tuple[float | None, float | None]:
@@ -117,7 +126,11 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
     created: float | None = None
     started: float | None = None
     invalid: list[str] = []
+    optional: dict[str, float] = {}
     for name, labels, value in samples:
+        if name in REQUEST_TOKEN_SUMS or name == REQUESTS_FINISHED:
+            optional[name] = optional.get(name, 0.0) + value  # NaN or negative: dropped below
+            continue
         if name == m.CACHE_CONFIG_INFO:
             cache_info = labels
             continue
@@ -143,6 +156,9 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
         else:
             target[canonical] = target.get(canonical, 0.0) + value
     values = {**via_alias, **sums}
+    token_sums = [optional.get(name) for name in REQUEST_TOKEN_SUMS]
+    finished = optional.get(REQUESTS_FINISHED)
+    healthy = all(v is not None and math.isfinite(v) and v >= 0 for v in (*token_sums, finished))
     return Scrape(
         time=float(time),
         preemptions=values.get(m.NUM_PREEMPTIONS_TOTAL),
@@ -155,6 +171,8 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
         missing=tuple(name for name in REQUIRED if name not in values),
         invalid=tuple(invalid),
         process_start=started,
+        request_tokens=sum(token_sums) if healthy else None,
+        requests_finished=finished if healthy else None,
     )
 
 

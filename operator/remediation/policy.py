@@ -16,6 +16,16 @@ In the order vLLM's tuning guide prescribes::
     idle: no preemption, no queue, KV usage below kvCacheUsageIdle all window ─► removeReplica
     (down to minReplicas)
 
+With live levers (``spec.remediation.liveLevers``, runtime kvpilot, mode Auto) a storm's first answer
+is a relief that costs no restart, and the restart lever follows it::
+
+    storm ─► relieveMaxNumSeqs (live, seconds: maxNumSeqs to what the KV pool holds)
+          ─► raiseGpuMemoryUtilization (rollout, one cooldown later, storm or not: the relief hides it)
+          ─► restoreMaxNumSeqs (live, once that rolled out and a full window shows no storm)
+
+A relief only comes first when the restart lever can follow it (gpuMemoryUtilization can still rise);
+otherwise the ladder runs as above and its lowerMaxNumSeqs stays.
+
 Every condition must hold across the whole window (``MetricWindow.full``: each pod has a scrape at or
 before its start), so a storm shorter than ``window`` never triggers one. A change is blamed (reverted)
 only for failures of pods on its configuration that happened after it, within ``BLAME_S``.
@@ -51,7 +61,9 @@ from kvpilot.operator.remediation.decision import (
     RAISE_PP,
     RAISE_TP,
     RECOMMEND_ACTION,
+    RELIEVE_MAX_NUM_SEQS,
     REMOVE_REPLICA,
+    RESTORE_MAX_NUM_SEQS,
     REVERT,
     Change,
     Decision,
@@ -166,6 +178,76 @@ def _tensor_parallel_step(shape: ModelShape | None, tp: int, max_tp: int, skippe
     return _Step(RAISE_TP, "tensorParallelSize", tp, sizes[0], why)
 
 
+def _relief_target(window: MetricWindow, seqs: int, floor: int) -> tuple[int, str]:
+    """maxNumSeqs for a live relief: what the KV pool holds at the mean length of the requests that
+    finished in the window (when both are known), and never above the shrink rule of lowerMaxNumSeqs."""
+    base = min(seqs, math.ceil(window.running)) if window.running > 0 else seqs
+    target = math.floor(base * SHRINK)
+    why = f"fewer concurrent sequences than the {window.running:.1f} that ran"
+    cap, mean = window.capacity, window.mean_request_tokens
+    if cap is not None and cap.block_size > 0 and mean is not None and mean > 0:
+        per_request = max(1, math.ceil(mean / cap.block_size))
+        fits = cap.num_gpu_blocks // per_request
+        if fits < target:
+            target = fits
+            why = (
+                f"what the KV pool holds: {cap.num_gpu_blocks} blocks / {per_request} per request "
+                f"(mean {mean:.0f} tokens)"
+            )
+    return max(floor, min(seqs - 1, target)), why
+
+
+@dataclasses.dataclass(frozen=True)
+class _Relief:
+    """A live relief in force: ``first`` began it (its ``from_`` is where maxNumSeqs returns to),
+    ``latest`` set the value in force, ``durable`` is the restart lever that followed it (None: due)."""
+
+    first: Change
+    latest: Change
+    durable: Change | None
+
+
+def _relief_in_force(history: list[Change], effective: Effective) -> _Relief | None:
+    """The relief the pods run under, from ``history`` (newest first): relieveMaxNumSeqs entries of
+    this generation back to the last other change of maxNumSeqs, the latest one still in force."""
+    reliefs: list[Change] = []
+    durable: Change | None = None
+    for change in history:
+        if change.generation != effective.generation:
+            break
+        if change.field == "maxNumSeqs":
+            if change.lever != RELIEVE_MAX_NUM_SEQS:
+                break
+            reliefs.append(change)
+        elif change.field == "gpuMemoryUtilization" and not reliefs and durable is None:
+            durable = change if change.lever == RAISE_GPU_MEMORY else None
+            if change.lever == REVERT:
+                return None  # the restart lever failed: the relief stays, as a lowering would
+    if not reliefs or effective.engine.get("maxNumSeqs") != reliefs[0].to:
+        return None
+    return _Relief(first=reliefs[-1], latest=reliefs[0], durable=durable)
+
+
+def _gpu_memory_step(
+    window: MetricWindow, s: RemediationSettings, effective: Effective, history: list[Change], why: str
+) -> tuple[_Step | None, str | None]:
+    """One step up of gpuMemoryUtilization, or None and why it cannot move."""
+    gmu = float(_engine_value(effective, "gpuMemoryUtilization"))
+    limit = s.limits.max_gpu_memory_utilization
+    explicit = [
+        k for k in ("numGpuBlocksOverride", "kvCacheMemoryBytes") if effective.engine.get(k) is not None
+    ]
+    if explicit or (window.capacity is not None and window.capacity.explicit_size):
+        named = explicit[0] if explicit else "numGpuBlocksOverride"
+        return None, f"the KV cache is sized explicitly ({named}): gpuMemoryUtilization does not change it"
+    if gmu >= limit:
+        return None, f"gpuMemoryUtilization {gmu:g} is at its limit {limit:g}"
+    if _reverted(history, "gpuMemoryUtilization", effective.generation):
+        return None, "gpuMemoryUtilization was reverted after pods failed (edit the spec to retry)"
+    to = round(min(limit, gmu + GPU_MEMORY_STEP), 4)
+    return _Step(RAISE_GPU_MEMORY, "gpuMemoryUtilization", gmu, to, why), None
+
+
 def _storm_ladder(
     window: MetricWindow, s: RemediationSettings, effective: Effective, history: list[Change]
 ) -> tuple[_Step | None, list[str]]:
@@ -179,25 +261,20 @@ def _storm_ladder(
             return True
         return False
 
-    # 1. A larger share of memory for the KV cache.
-    gmu = float(_engine_value(effective, "gpuMemoryUtilization"))
-    explicit = [
-        k for k in ("numGpuBlocksOverride", "kvCacheMemoryBytes") if effective.engine.get(k) is not None
-    ]
-    if explicit or (window.capacity is not None and window.capacity.explicit_size):
-        named = explicit[0] if explicit else "numGpuBlocksOverride"
-        skipped.append(f"the KV cache is sized explicitly ({named}): gpuMemoryUtilization does not change it")
-    elif gmu >= limits.max_gpu_memory_utilization:
-        skipped.append(f"gpuMemoryUtilization {gmu:g} is at its limit {limits.max_gpu_memory_utilization:g}")
-    elif not blocked("gpuMemoryUtilization"):
-        to = round(min(limits.max_gpu_memory_utilization, gmu + GPU_MEMORY_STEP), 4)
-        return _Step(
-            RAISE_GPU_MEMORY, "gpuMemoryUtilization", gmu, to, "more memory for the KV cache"
-        ), skipped
-
-    # 2. Fewer sequences at once: below what actually ran, or the change is a no-op.
+    # 1. A larger share of memory for the KV cache; with live levers, a live relief first (the
+    # restart lever follows it, see decide).
     seqs = int(_engine_value(effective, "maxNumSeqs", shape.max_num_seqs if shape else None))
     floor = limits.min_max_num_seqs
+    memory, why_not = _gpu_memory_step(window, s, effective, history, "more memory for the KV cache")
+    if memory is not None:
+        if s.live and s.mode == AUTO and seqs > floor and not _reverted(history, "maxNumSeqs", gen):
+            to, why = _relief_target(window, seqs, floor)
+            why = f"live relief now, {why}; {RAISE_GPU_MEMORY} follows after the cooldown"
+            return _Step(RELIEVE_MAX_NUM_SEQS, "maxNumSeqs", seqs, to, why), skipped
+        return memory, skipped
+    skipped.append(why_not)
+
+    # 2. Fewer sequences at once: below what actually ran, or the change is a no-op.
     if seqs <= floor:
         skipped.append(f"maxNumSeqs {seqs} is at its floor {floor}")
     elif not blocked("maxNumSeqs"):
@@ -286,7 +363,23 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
     can_add = effective.replicas < s.limits.max_replicas and not _reverted(
         history, "replicas", effective.generation
     )
-    if demand and can_add:
+    relief = _relief_in_force(history, effective) if s.mode == AUTO else None
+    if relief is not None and relief.durable is None:
+        # The relief holds the storm back at the cost of concurrency: the restart lever is due.
+        why = f"the restart lever after the live relief {relief.latest.from_:g} → {relief.latest.to:g}"
+        step, _ = _gpu_memory_step(window, s, effective, history, why)
+        if step is not None:  # otherwise the relief stays, as a lowerMaxNumSeqs would
+            cause = "a preemption storm" if storm else "the storm the live relief holds back"
+            pressure = pressure or "storm"
+    if step is not None:
+        pass
+    elif relief is not None and relief.durable is not None and not storm:
+        # The restart lever rolled out and a full window (see the hold below) shows no storm.
+        to = relief.first.from_
+        why = f"back to the {to:g} before the live relief: {relief.durable.lever} rolled out"
+        step = _Step(RESTORE_MAX_NUM_SEQS, "maxNumSeqs", relief.latest.to, to, why)
+        cause = "relief no longer needed"
+    elif demand and can_add:
         step = _Step(ADD_REPLICA, "replicas", effective.replicas, effective.replicas + 1, "serve the queue")
         cause = f"demand (KV cache >= {s.kv_usage_high:.0%} and >= {s.waiting_high:g} waiting per replica)"
     elif storm:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from kvpilot.operator.remediation.metrics import Capacity, ModelShape, capacity_of, shape_of
+from kvpilot.operator.remediation.metrics import Capacity, ModelShape, Scrape, capacity_of, shape_of
 from kvpilot.operator.remediation.pods import Failure
 from kvpilot.operator.remediation.series import PodSeries
 
@@ -65,6 +65,7 @@ class MetricWindow:
     counter_resets: int = 0
     capacity: Capacity | None = None
     shape: ModelShape | None = None
+    mean_request_tokens: float | None = None  # prompt + output tokens of the requests finished in it
 
     @property
     def not_running(self) -> tuple[Failure, ...]:
@@ -92,6 +93,18 @@ class _PodWindow:
     running: list[float]
     intervals: list[Interval]  # oldest first
     full: bool  # a scrape at or before the window start: the intervals cover the whole window
+    finished: float = 0.0  # requests finished over the window (0: unknown, or a restart in it)
+    finished_tokens: float = 0.0  # their prompt + output tokens
+
+
+def _finished(first: Scrape, last: Scrape) -> tuple[float, float]:
+    """Requests finished between two scrapes of one process, and their tokens ((0, 0): unknown)."""
+    values = (first.requests_finished, first.request_tokens, last.requests_finished, last.request_tokens)
+    if None in values or first.started != last.started:
+        return 0.0, 0.0
+    count = last.requests_finished - first.requests_finished
+    tokens = last.request_tokens - first.request_tokens
+    return (count, tokens) if count > 0 and tokens >= 0 else (0.0, 0.0)
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -126,6 +139,7 @@ def _pod_window(series: PodSeries, now: float, window_s: float, max_gap_s: float
         )
         for a, b in zip(used, used[1:], strict=False)
     ]
+    finished, finished_tokens = _finished(first.scrape, last.scrape)
     return _PodWindow(
         name=series.name,
         start=first.scrape.time,
@@ -136,6 +150,8 @@ def _pod_window(series: PodSeries, now: float, window_s: float, max_gap_s: float
         running=[p.scrape.running or 0.0 for p in inside],
         intervals=intervals,
         full=first.scrape.time <= begin,
+        finished=finished,
+        finished_tokens=finished_tokens,
     )
 
 
@@ -224,4 +240,10 @@ def summarize(
         counter_resets=resets,
         capacity=capacity,
         shape=shape,
+        mean_request_tokens=_mean_request_tokens(windows),
     )
+
+
+def _mean_request_tokens(windows: list[_PodWindow]) -> float | None:
+    count = sum(w.finished for w in windows)
+    return sum(w.finished_tokens for w in windows) / count if count > 0 else None

@@ -18,7 +18,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpilot.engine import metrics_names as m
 
@@ -72,6 +72,13 @@ class EngineMetrics:
             max_num_batched_tokens=str(max_num_batched_tokens),
         )
         model.labels(**model_labels).set(1)
+        buckets = (16, 64, 256, 1024, 4096)
+        self._prompt_tokens = Histogram(
+            m.REQUEST_PROMPT_TOKENS, "Prompt length.", label, buckets=buckets, registry=registry
+        ).labels(model_name)
+        self._generation_tokens = Histogram(
+            m.REQUEST_GENERATION_TOKENS, "Generated length.", label, buckets=buckets, registry=registry
+        ).labels(model_name)
         self._lock = threading.Lock()
 
     def set(self, *, kv: float | None = None, waiting: float | None = None, running: float | None = None):
@@ -90,6 +97,14 @@ class EngineMetrics:
         with self._lock:
             if count:
                 self._preemptions.inc(count)
+        return self
+
+    def finish(self, prompt_tokens: int, output_tokens: int, count: int = 1) -> EngineMetrics:
+        """``count`` requests finished, each of ``prompt_tokens`` + ``output_tokens``."""
+        with self._lock:
+            for _ in range(count):
+                self._prompt_tokens.observe(prompt_tokens)
+                self._generation_tokens.observe(output_tokens)
         return self
 
     @property

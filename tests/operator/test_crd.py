@@ -134,6 +134,7 @@ def test_remediation_settings_take_the_crd_defaults_and_have_none_of_their_own(c
         thresholds["requestsWaitingHigh"],
         thresholds["kvCacheUsageIdle"],
     )
+    assert settings.live is crd["liveLevers"] is True
     # One table of defaults (spec.DEFAULTS, checked against the CRD above): the typed settings add none.
     for cls in (RemediationSettings, Limits):
         assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(cls)), cls

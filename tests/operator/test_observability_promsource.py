@@ -90,7 +90,13 @@ async def _service(engine: ScriptedEngine) -> tuple[LocalApi, Reconciler]:
     isvc = copy.deepcopy(BASE_ISVC)
     isvc["spec"]["replicas"] = 1
     isvc["spec"]["engine"] = {"maxNumSeqs": 128, "gpuMemoryUtilization": 0.8}
-    isvc["spec"]["remediation"] = {"mode": "Auto", "preemptionRate": 0.5, "window": "4s", "cooldown": "60s"}
+    isvc["spec"]["remediation"] = {
+        "mode": "Auto",
+        "preemptionRate": 0.5,
+        "window": "4s",
+        "cooldown": "60s",
+        "liveLevers": False,  # the ladder's first lever rolls out (the live order: test_policy, *_live_*)
+    }
     await api.create(prepare(isvc, NS))
 
     async def no_events(*_):

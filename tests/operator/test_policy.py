@@ -22,7 +22,8 @@ from tests.operator.engine_metrics import EngineMetrics
 LEVERS = [
     value
     for name, value in vars(decision_names).items()
-    if name.isupper() and name.startswith(("RAISE_", "LOWER_", "ADD_", "REMOVE_", "REVERT"))
+    if name.isupper()
+    and name.startswith(("RAISE_", "LOWER_", "ADD_", "REMOVE_", "REVERT", "RELIEVE_", "RESTORE_"))
 ]
 
 NOW = 1_750_000_000.0
@@ -50,6 +51,8 @@ ISVC: dict[str, Any] = {
             "preemptionRate": 0.05,
             "window": "120s",
             "cooldown": "600s",
+            # The ladder as without live levers; the live relief's order has its own tests below.
+            "liveLevers": False,
             "limits": {"maxReplicas": 4, "maxPipelineParallelSize": 2},
         },
     },
@@ -121,6 +124,20 @@ IDLE = window(kv=0.1, running=2)
 AT_GMU_LIMIT = {"gpuMemoryUtilization": 0.95}
 AT_SEQS_FLOOR = {**AT_GMU_LIMIT, "maxNumSeqs": 16}
 AT_TOKENS_FLOOR = {**AT_SEQS_FLOOR, "maxNumBatchedTokens": 2048}
+
+
+LIVE_REMEDIATION = {"liveLevers": True}
+LIVE_ISVC = isvc(remediation=LIVE_REMEDIATION)
+RELIEF = change(1400, "relieveMaxNumSeqs", "maxNumSeqs", 64, 30)
+DURABLE = change(700, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.9, 0.95)
+RELIEVED = isvc(remediation=LIVE_REMEDIATION, overrides={"maxNumSeqs": {"value": 30, "specValue": 64}})
+RESTORABLE = isvc(
+    remediation=LIVE_REMEDIATION,
+    overrides={
+        "maxNumSeqs": {"value": 30, "specValue": 64},
+        "gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9},
+    },
+)
 
 
 @dataclasses.dataclass
@@ -307,6 +324,60 @@ CASES = [
     Case("a revert from an older generation does not block", STORM,
          history=[change(700, "revert", "gpuMemoryUtilization", 0.95, 0.9, generation=4)],
          action="apply", field="gpuMemoryUtilization"),
+    # --- live levers: relief in place first, the restart lever after it, then the relief ends
+    Case("with live levers a storm is relieved live first (shrinking what ran)", STORM, LIVE_ISVC,
+         action="apply", lever="relieveMaxNumSeqs", field="maxNumSeqs", from_=64, to=30,
+         reason="raiseGpuMemoryUtilization follows after the cooldown"),
+    Case("the relief is sized to what the KV pool holds at the mean request length",
+         window(rate=0.5, capacity=Capacity(100, 16, 4096), mean_request_tokens=150.0),
+         isvc(remediation={"liveLevers": True, "limits": {"minMaxNumSeqs": 4}}),
+         action="apply", lever="relieveMaxNumSeqs", from_=64, to=10,
+         reason="100 blocks / 10 per request (mean 150 tokens)"),
+    Case("the relief never goes below the maxNumSeqs floor",
+         window(rate=0.5, capacity=Capacity(10, 16, 4096), mean_request_tokens=150.0), LIVE_ISVC,
+         action="apply", lever="relieveMaxNumSeqs", from_=64, to=16),
+    Case("the restart lever follows the relief even when the relief ended the storm", window(), RELIEVED,
+         history=[RELIEF], action="apply", lever="raiseGpuMemoryUtilization", from_=0.9, to=0.95,
+         reason="the storm the live relief holds back"),
+    Case("and when it did not", STORM, RELIEVED, history=[RELIEF], action="apply",
+         lever="raiseGpuMemoryUtilization", reason="a preemption storm"),
+    Case("the restart lever after a relief waits for the cooldown", window(), RELIEVED,
+         history=[change(100, "relieveMaxNumSeqs", "maxNumSeqs", 64, 30)],
+         lever="raiseGpuMemoryUtilization", reason="cooldown"),
+    Case("maxNumSeqs comes back once the restart lever rolled out and the storm stayed away", window(),
+         RESTORABLE, history=[DURABLE, RELIEF], action="apply", lever="restoreMaxNumSeqs",
+         field="maxNumSeqs", from_=30, to=64, reason="raiseGpuMemoryUtilization rolled out"),
+    Case("a storm after the restart lever: relieved again, further", STORM,
+         isvc(remediation={"liveLevers": True, "limits": {"maxGpuMemoryUtilization": 0.99}},
+              overrides=RESTORABLE["status"]["effective"]["overrides"]),
+         history=[DURABLE, RELIEF], action="apply", lever="relieveMaxNumSeqs", from_=30, to=22),
+    Case("a storm after the restart lever, at the memory limit: the ladder's lowering stays", STORM,
+         RESTORABLE, history=[DURABLE, RELIEF], action="apply", lever="lowerMaxNumSeqs", from_=30, to=22),
+    Case("chained reliefs restore to the value before the first", window(),
+         isvc({"gpuMemoryUtilization": 0.9}, remediation=LIVE_REMEDIATION,
+              overrides={"maxNumSeqs": {"value": 22, "specValue": 64},
+                         "gpuMemoryUtilization": {"value": 0.95, "specValue": 0.9}}),
+         history=[change(700, "raiseGpuMemoryUtilization", "gpuMemoryUtilization", 0.92, 0.95),
+                  change(1400, "relieveMaxNumSeqs", "maxNumSeqs", 30, 22), DURABLE, RELIEF],
+         action="apply", lever="restoreMaxNumSeqs", from_=22, to=64),
+    Case("a relief whose restart lever failed stays (as a lowering would)", window(), RESTORABLE,
+         history=[change(300, "revert", "gpuMemoryUtilization", 0.95, 0.9), DURABLE, RELIEF],
+         reason="stable"),
+    Case("a relief the user overrode by editing maxNumSeqs is over", window(),
+         isvc({"maxNumSeqs": 48}, remediation=LIVE_REMEDIATION,
+              overrides={"maxNumSeqs": {"value": 30, "specValue": 64}}),
+         history=[RELIEF], reason="stable"),
+    Case("no room for the restart lever: no relief, the ladder's lowering", STORM,
+         isvc(AT_GMU_LIMIT, remediation=LIVE_REMEDIATION), action="apply", lever="lowerMaxNumSeqs", to=30),
+    Case("maxNumSeqs reverted: the restart lever at once", STORM, LIVE_ISVC,
+         history=[change(700, "revert", "maxNumSeqs", 30, 64)], action="apply",
+         lever="raiseGpuMemoryUtilization"),
+    Case("Recommend mode proposes the restart lever, not a relief", STORM,
+         isvc(remediation={"mode": "Recommend", "liveLevers": True}), action="recommend",
+         lever="raiseGpuMemoryUtilization"),
+    Case("vLLM has no live levers: the restart lever first", STORM,
+         isvc(remediation=LIVE_REMEDIATION, runtime="vllm"), action="apply",
+         lever="raiseGpuMemoryUtilization"),
 ]  # fmt: skip
 
 

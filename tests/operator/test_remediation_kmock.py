@@ -31,7 +31,11 @@ def deployment_path(name: str) -> str:
     return f"/apis/apps/v1/namespaces/{NS}/deployments/{name}"
 
 
-def new_isvc(name: str, mode: str, replicas: int = 1, limits: dict | None = None, **engine) -> dict:
+def new_isvc(
+    name: str, mode: str, replicas: int = 1, limits: dict | None = None, live: bool = False, **engine
+) -> dict:
+    """``live``: ``spec.remediation.liveLevers`` (off here, so that the ladder's levers roll out; the
+    live order has its tests in test_remediation_live_kmock)."""
     isvc = copy.deepcopy(BASE_ISVC)
     isvc["metadata"] = {"name": name, "namespace": NS}
     isvc["spec"]["replicas"] = replicas
@@ -39,6 +43,7 @@ def new_isvc(name: str, mode: str, replicas: int = 1, limits: dict | None = None
     isvc["spec"]["remediation"] = {
         **REMEDIATION,
         "mode": mode,
+        "liveLevers": live,
         "limits": {"maxReplicas": 3, **(limits or {})},
     }
     return isvc

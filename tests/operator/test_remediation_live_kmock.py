@@ -3,7 +3,8 @@
 
 A live lever (runtime kvpilot, ``maxNumSeqs`` below its start-up value) is posted to every ready pod
 and written to the live-config ConfigMap; the Deployment does not change. A pod that refuses makes it
-a failed remediation: reverted in status and the ConfigMap, the lever frozen.
+a failed remediation: reverted in status and the ConfigMap, the lever frozen. With room for the restart
+lever, a storm is relieved live first, and the relief ends once the restart lever rolled out.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tests.operator.test_remediation_kmock import (
     SCRAPE_INTERVAL,
     Cluster,
     events,
+    flag,
     new_isvc,
     template_hash,
     wait_for_ticks,
@@ -73,7 +75,7 @@ def test_a_live_lever_reaches_every_pod_and_changes_no_deployment(api, cluster, 
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "engine-key", "namespace": NS}}
     secret["data"] = {"key": base64.b64encode(f"{KEY}\n".encode()).decode()}
     api.create(f"/api/v1/namespaces/{NS}/secrets", secret)
-    isvc = new_isvc("relief", "Auto", replicas=2, limits=AT_MEMORY_LIMIT)
+    isvc = new_isvc("relief", "Auto", replicas=2, limits=AT_MEMORY_LIMIT, live=True)
     isvc["spec"]["apiKeySecretRef"] = {"name": "engine-key", "key": "key"}
     before = cluster.create(isvc)
     assert live_values(api, "relief") == {}
@@ -111,7 +113,7 @@ def test_a_live_lever_reaches_every_pod_and_changes_no_deployment(api, cluster, 
 
 
 def test_a_refused_live_change_is_reverted_and_the_lever_frozen(api, cluster, operator):
-    before = cluster.create(new_isvc("refused", "Auto", limits=AT_MEMORY_LIMIT))
+    before = cluster.create(new_isvc("refused", "Auto", limits=AT_MEMORY_LIMIT, live=True))
     engine = storm_engine(cluster)
     engine.refuse = True
     cluster.start_pod("refused", "refused-a", engine)
@@ -146,3 +148,62 @@ def test_a_refused_live_change_is_reverted_and_the_lever_frozen(api, cluster, op
     assert [e["lever"] for e in isvc["status"]["remediations"]].count("lowerMaxNumSeqs") == 1
     assert engine.config["max_num_seqs"] == 64
     assert cluster.deployment("refused")["spec"]["template"] == before["spec"]["template"]
+
+
+def test_a_storm_is_relieved_live_then_the_restart_lever_rolls_out_and_the_relief_ends(
+    api, cluster, operator
+):
+    """The order with live levers: relieveMaxNumSeqs in place at once, raiseGpuMemoryUtilization (a
+    rollout) one cooldown later although the relief ended the storm, then restoreMaxNumSeqs in place
+    once the new pods served a full window without a storm."""
+    before = cluster.create(new_isvc("order", "Auto", live=True))
+    first = storm_engine(cluster)
+    cluster.start_pod("order", "order-a", first)
+
+    wait_for(lambda: first.updates, timeout=20, what="the live relief")
+    first.set_rate(0.0)  # relieved
+    assert first.updates == [{"max_num_seqs": 30}]
+    entry = cluster.isvc("order")["status"]["remediations"][0]
+    assert (entry["lever"], entry["from"], entry["to"], entry["appliedBy"]) == (
+        "relieveMaxNumSeqs",
+        64,
+        30,
+        "live",
+    )
+    assert template_hash(cluster.deployment("order")) == template_hash(before), "the relief rolls nothing out"
+    assert live_values(api, "order") == {"max_num_seqs": 30}
+
+    # One cooldown later, with no storm left to see, the restart lever.
+    after = wait_for(lambda: cluster.deployment_with("order", "0.95"), timeout=20, what="the restart lever")
+    assert template_hash(after) != template_hash(before)
+    assert "--max-num-seqs" in after["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert flag(after, "--max-num-seqs") == "64", "the template keeps the start-up value"
+    entry = cluster.isvc("order")["status"]["remediations"][0]
+    assert (entry["lever"], entry["field"], entry["appliedBy"]) == (
+        "raiseGpuMemoryUtilization",
+        "gpuMemoryUtilization",
+        "rollout",
+    )
+    # The rollout, played as the Deployment controller would: the new pod starts with the ConfigMap's
+    # values (the relief still in force), the old one goes.
+    second = ScriptedEngine(EngineMetrics(max_num_seqs=64, num_gpu_blocks=700).set(kv=0.5, running=30))
+    second.config["max_num_seqs"] = live_values(api, "order")["max_num_seqs"]
+    cluster.engines.append(second)
+    cluster.start_pod("order", "order-b", second)
+    cluster.delete_pod("order-a")
+
+    wait_for(lambda: second.updates, timeout=20, what="the relief to end")
+    assert second.updates == [{"max_num_seqs": 64}] and second.config["max_num_seqs"] == 64
+    isvc = cluster.isvc("order")
+    levers = [(e["lever"], e["appliedBy"]) for e in reversed(isvc["status"]["remediations"])]
+    assert levers == [
+        ("relieveMaxNumSeqs", "live"),
+        ("raiseGpuMemoryUtilization", "rollout"),
+        ("restoreMaxNumSeqs", "live"),
+    ]
+    assert isvc["status"]["effective"]["maxNumSeqs"] == 64
+    assert isvc["status"]["effective"]["gpuMemoryUtilization"] == 0.95
+    assert "maxNumSeqs" not in isvc["status"]["effective"]["overrides"], "back to the spec's value"
+    wait_for(lambda: live_values(api, "order") == {}, what="the ConfigMap emptied")
+    assert template_hash(cluster.deployment("order")) == template_hash(after), "the restore rolls nothing out"
+    assert isvc["spec"]["engine"] == {"gpuMemoryUtilization": 0.9, "maxNumSeqs": 64}, "spec is never written"

@@ -90,7 +90,13 @@ async def _ticks(calls: Calls, count: int) -> list[tuple[int, list[str], int]]:
     api = LocalApi()
     isvc = copy.deepcopy(BASE_ISVC)
     isvc["spec"]["replicas"] = PODS
-    isvc["spec"]["remediation"] = {"mode": "Auto", "preemptionRate": 0.5, "window": "4s", "cooldown": "60s"}
+    isvc["spec"]["remediation"] = {
+        "mode": "Auto",
+        "preemptionRate": 0.5,
+        "window": "4s",
+        "cooldown": "60s",
+        "liveLevers": False,  # the ladder's first lever rolls out (the live order: test_policy, *_live_*)
+    }
     await api.create(prepare(isvc, NS))
 
     async def no_events(*_):

@@ -200,3 +200,47 @@ def test_series_keeps_only_its_retention():
     assert len(series.points()) <= 5
     series.add(parse_scrape(metrics.text(), T0 + 100))  # out of order: ignored
     assert series.last.time == T0 + 190
+
+
+def test_the_mean_request_length_comes_from_the_requests_finished_in_the_window():
+    metrics = EngineMetrics().set(kv=0.9, waiting=0, running=8)
+    metrics.finish(1000, 1000, count=50)  # before the window: not counted
+    series = PodSeries("pod-a")
+    for index in range(13):
+        if index:
+            metrics.finish(16, 96, count=2)
+        series.add(parse_scrape(metrics.text(), T0 + 10 * index))
+    window = summarize({"pod-a": series}, now=T0 + 120, window_s=110, stale_after_s=45)
+    assert window.is_complete
+    assert window.mean_request_tokens == pytest.approx(112)
+
+
+def test_the_mean_request_length_is_unknown_across_a_restart_or_without_finished_requests():
+    quiet, _ = series_of([(10 * i, 0) for i in range(13)])
+    window = summarize({"pod-a": quiet}, now=T0 + 120, window_s=110, stale_after_s=45)
+    assert window.is_complete and window.mean_request_tokens is None
+    series = PodSeries("pod-b")
+    metrics = EngineMetrics().set(kv=0.5, waiting=0, running=4)
+    for index in range(13):
+        if index == 6:
+            metrics = EngineMetrics().set(kv=0.5, waiting=0, running=4)  # a new process
+        metrics.finish(16, 96)
+        series.add(parse_scrape(metrics.text(), T0 + 10 * index))
+    window = summarize({"pod-b": series}, now=T0 + 120, window_s=110, stale_after_s=45)
+    assert window.is_complete and window.mean_request_tokens is None
+
+
+def test_request_lengths_that_no_engine_emits_are_ignored_not_trusted():
+    text = EngineMetrics().set(kv=0.5, waiting=0, running=4).finish(16, 96).text()
+    scrape = parse_scrape(text, T0)
+    assert (scrape.request_tokens, scrape.requests_finished) == (112, 1)
+    line = 'vllm:request_generation_tokens_sum{model_name="llama"} 96.0'
+    assert line in text
+    for broken in (
+        text.replace(line, line.replace("96.0", "NaN")),
+        text.replace(line, line.replace("96.0", "-96.0")),
+        text.replace("vllm:request_prompt_tokens_sum{", "vllm:request_prompt_tokens_other{"),
+    ):
+        scrape = parse_scrape(broken, T0)
+        assert scrape.missing == () and scrape.invalid == ()  # optional: the scrape stays usable
+        assert (scrape.request_tokens, scrape.requests_finished) == (None, None)
