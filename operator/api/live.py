@@ -74,6 +74,22 @@ def live_values(spec: dict[str, Any], effective: Effective) -> dict[str, int]:
     return out
 
 
+def in_force(spec: dict[str, Any], effective: Effective) -> dict[str, int]:
+    """What every pod of the current configuration should report for each live field (snake_case):
+    the effective value (live, or carried by the pod template), else the start-up value; fields whose
+    start-up value the engine derives (unset, no override) are left out. Empty when live levers do not
+    apply."""
+    if not supports_live(spec):
+        return {}
+    out: dict[str, int] = {}
+    for field, key in LIVE_FIELDS.items():
+        value = effective.engine.get(field)
+        value = startup_value(spec, field) if value is None else value
+        if value is not None:
+            out[key] = int(value)
+    return out
+
+
 def startup_engine(spec: dict[str, Any], effective: Effective) -> dict[str, Any]:
     """``effective.engine`` as the pod template carries it: live values replaced by their spec values
     (dropped where the spec leaves them unset)."""

@@ -28,9 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpilot.operator.api import names
-from kvpilot.operator.api.live import LIVE, LIVE_FIELDS
+from kvpilot.operator.api.live import LIVE, LIVE_FIELDS, in_force, live_values
 from kvpilot.operator.api.rest import ApiError, Kube, object_path
 from kvpilot.operator.api.settings import Settings, resolve
+from kvpilot.operator.api.timefmt import parse_time
 from kvpilot.operator.observability.metrics import OperatorMetrics
 from kvpilot.operator.observability.promsource import PrometheusSource
 from kvpilot.operator.options import METRICS_SOURCE_PROMETHEUS, OperatorOptions
@@ -234,6 +235,7 @@ class Autotuner:
             facts = {"mid_rollout": bool(service.pods.problems()), "bad_data": bad_data}
             if update.patch is None:
                 self.metrics.observe_evaluation(settings, window, decision, now, **facts)
+                await self._correct_drift(settings, service.pods.targets, logger)
                 return
             body = {
                 "metadata": {"resourceVersion": isvc["metadata"]["resourceVersion"]},
@@ -255,6 +257,53 @@ class Autotuner:
                 change = update.change
                 if change is not None and change.applied_by == LIVE:
                     await self._apply_live(settings.with_status(live), service.pods.targets, change, logger)
+            else:
+                await self._correct_drift(settings.with_status(live), service.pods.targets, logger)
+
+    async def _correct_drift(self, settings: Settings, targets: tuple, logger: Any) -> None:
+        """Post the live settings in force to each ready pod whose latest scrape (taken after the last
+        change) reports other values in ``kvpilot_config_info``: a pod that was not ready when a live
+        change was posted, one that read an older ConfigMap at start, or a change whose posts an operator
+        restart cut short. A field with a live value in force must report it; one without must not
+        report less than its start-up value (only a live change lowers it; the engine may round a start-up
+        value up). Pods that export no such metric are left alone; a failed post is retried on the next
+        tick."""
+        desired = in_force(settings.spec, settings.effective)
+        if not desired:
+            return
+        live = live_values(settings.spec, settings.effective)
+        entries = (settings.isvc.get("status") or {}).get("remediations") or []
+        try:
+            since = parse_time(entries[0]["time"]) if entries else float("-inf")
+        except (KeyError, TypeError, ValueError):
+            since = float("-inf")
+        stray: dict[str, tuple[Any, dict[str, int]]] = {}
+        for target in targets:
+            series = self.series.get(target.key)
+            scrape = series.last if series is not None else None
+            if scrape is None or not scrape.live_config or scrape.time <= since:
+                continue
+            wrong = {k: v for k, v in desired.items() if _drifted(scrape.live_config.get(k), v, k in live)}
+            if wrong:
+                stray[target.name] = (target, wrong)
+        if not stray:
+            return
+        meta = settings.meta
+        namespace, name = meta["namespace"], meta["name"]
+        try:
+            api_key = await read_api_key(self.kube, namespace, settings.spec)
+        except ValueError as exc:
+            logger.warning(f"{namespace}/{name}: cannot correct the live settings of {sorted(stray)}: {exc}")
+            return
+        for pod, (target, wrong) in sorted(stray.items()):
+            series = self.series[target.key]
+            reported = {k: series.last.live_config.get(k) for k in wrong}
+            why = (await self.live.apply([target], wrong, api_key))[pod]
+            what = f"{namespace}/{name}: pod {pod} reported {reported}"
+            if why is None:
+                logger.info(f"{what}: live settings {wrong} re-applied")
+            else:
+                logger.warning(f"{what}; re-applying {wrong}: {why}")
 
     async def _apply_live(self, settings: Settings, targets: tuple, change: Change, logger: Any) -> None:
         """Post a live change to every ready pod of the current configuration (the ConfigMap, for pods
@@ -327,3 +376,14 @@ class Autotuner:
         self._unrendered.discard(key)
         for line in outcome.written:
             logger.info(f"{key[0]}/{key[1]}: {line} (remediation)")
+
+
+def _drifted(reported: str | None, expected: int, live: bool) -> bool:
+    """Whether a pod's reported live setting (a label value) contradicts ``expected``."""
+    try:
+        value = int(reported) if reported is not None else None
+    except ValueError:
+        return False  # "None" (unbounded) or not a number: nothing to compare
+    if value is None:
+        return False
+    return value != expected if live else value < expected

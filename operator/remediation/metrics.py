@@ -60,6 +60,7 @@ class Scrape:
     outside 0..1); a scrape with any is not used. ``request_tokens`` / ``requests_finished``: the
     prompt + output tokens of the requests finished so far and their count (None when not exported or
     not a finite non-negative number: optional, so they never make a scrape unusable).
+    ``live_config``: the labels of ``kvpilot_config_info``, the run-time settings in force.
     """
 
     time: float
@@ -75,6 +76,7 @@ class Scrape:
     process_start: float | None = None
     request_tokens: float | None = None
     requests_finished: float | None = None
+    live_config: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def started(self) -> tuple[float | None, float | None]:
@@ -123,6 +125,7 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
     via_alias: dict[str, float] = {}
     cache_info: dict[str, str] = {}
     model_info: dict[str, str] = {}
+    live_config: dict[str, str] = {}
     created: float | None = None
     started: float | None = None
     invalid: list[str] = []
@@ -133,6 +136,9 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
             continue
         if name == m.CACHE_CONFIG_INFO:
             cache_info = labels
+            continue
+        if name == m.CONFIG_INFO:
+            live_config = labels
             continue
         if m.canonical_name(name) == m.MODEL_CONFIG_INFO:  # the new name or its alias
             model_info = labels
@@ -173,6 +179,7 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
         process_start=started,
         request_tokens=sum(token_sums) if healthy else None,
         requests_finished=finished if healthy else None,
+        live_config=live_config,
     )
 
 

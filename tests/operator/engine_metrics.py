@@ -121,7 +121,8 @@ class ScriptedEngine:
     """An HTTP server on 127.0.0.1 serving an ``EngineMetrics`` whose counter grows at ``rate``/s.
 
     ``restart()`` swaps in a fresh ``EngineMetrics`` (a counter reset); ``fail = True`` answers 500.
-    ``config``: the run-time settings in force (``/admin/config``); ``api_key``: required there when
+    ``config``: the run-time settings in force (``/admin/config``, and ``kvpilot_config_info`` in the
+    metrics, as ``kvpilot serve`` exports them); ``api_key``: required there when
     set; ``refuse = True`` answers every update with a 400; ``updates``: the bodies posted to it.
     """
 
@@ -186,7 +187,9 @@ class ScriptedEngine:
             self.requests += 1
             if self.fail:
                 return b"engine error", 500
-            return self.metrics.text().encode(), 200
+            labels = ",".join(f'{k}="{self.config.get(k)}"' for k in m.CONFIG_LABELS)
+            config = f"# TYPE {m.CONFIG_INFO} gauge\n{m.CONFIG_INFO}{{{labels}}} 1.0\n"
+            return (self.metrics.text() + config).encode(), 200
 
     def _admin(self, path: str, authorization: str | None, update) -> tuple[int, dict]:
         def error(status: int, message: str) -> tuple[int, dict]:

@@ -138,3 +138,27 @@ def test_a_live_change_is_recorded_as_live(make_isvc):
     assert live.applied_by(spec, "maxNumSeqs", 30) == live.LIVE
     assert live.applied_by(spec, "maxNumSeqs", 64) == live.LIVE  # back up to the start-up value
     assert live.applied_by(spec, "replicas", 3) == live.ROLLOUT
+
+
+def test_the_values_in_force_and_what_counts_as_a_pod_that_missed_them(make_isvc):
+    from kvpilot.operator.remediation.loop import _drifted
+
+    isvc = make_isvc({"spec.engine.maxNumSeqs": 64, "spec.engine.maxNumBatchedTokens": 4096})
+    settings = resolve(with_override(isvc, "maxNumSeqs", 30, 64))
+    assert live.in_force(settings.spec, settings.effective) == {
+        "max_num_seqs": 30,
+        "max_num_batched_tokens": 4096,
+    }
+    assert live.live_values(settings.spec, settings.effective) == {"max_num_seqs": 30}
+    # A live value must be reported exactly; a start-up value only not undercut (the engine may round
+    # it up; only a live change lowers it).
+    assert _drifted("64", 30, live=True) and _drifted("20", 30, live=True) and not _drifted("30", 30, True)
+    assert _drifted("2048", 4096, live=False) and not _drifted("4352", 4096, live=False)
+    assert not _drifted("None", 4096, live=False) and not _drifted(None, 30, live=True)
+    # An engine-derived bound (unset, no override) is not compared at all; vLLM and liveLevers: false
+    # have no values in force to correct.
+    unset = resolve(make_isvc({"spec.engine.maxNumSeqs": 64}))
+    assert live.in_force(unset.spec, unset.effective) == {"max_num_seqs": 64}
+    for changes in ({"spec.runtime": "vllm"}, {"spec.remediation.liveLevers": False}):
+        other = resolve(make_isvc({"spec.engine.maxNumSeqs": 64, **changes}))
+        assert live.in_force(other.spec, other.effective) == {}

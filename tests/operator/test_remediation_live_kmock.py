@@ -207,3 +207,26 @@ def test_a_storm_is_relieved_live_then_the_restart_lever_rolls_out_and_the_relie
     wait_for(lambda: live_values(api, "order") == {}, what="the ConfigMap emptied")
     assert template_hash(cluster.deployment("order")) == template_hash(after), "the restore rolls nothing out"
     assert isvc["spec"]["engine"] == {"gpuMemoryUtilization": 0.9, "maxNumSeqs": 64}, "spec is never written"
+
+
+def test_a_pod_that_reports_other_live_values_than_those_in_force_is_corrected(api, cluster, operator):
+    """A pod that missed a live change (not ready when it was posted, an older ConfigMap read at start,
+    an operator restart between the status write and the posts) reports other values in
+    ``kvpilot_config_info``: the operator posts the values in force to it, and to no other pod."""
+    cluster.create(new_isvc("drift", "Auto", limits=AT_MEMORY_LIMIT, live=True))
+    first = storm_engine(cluster)
+    cluster.start_pod("drift", "drift-a", first)
+    wait_for(lambda: first.updates, timeout=20, what="the live change")
+    first.set_rate(0.0)
+    assert first.updates == [{"max_num_seqs": 30}]
+    # A second pod comes up with the start-up value 64 (it never heard of the change).
+    late = ScriptedEngine(EngineMetrics(max_num_seqs=64, num_gpu_blocks=600).set(kv=0.5, running=20))
+    cluster.engines.append(late)
+    cluster.start_pod("drift", "drift-b", late)
+    wait_for(lambda: late.updates, timeout=20, what="the correction")
+    assert late.updates == [{"max_num_seqs": 30}] and late.config["max_num_seqs"] == 30
+    wait_for_ticks(late, 6)
+    assert late.updates == [{"max_num_seqs": 30}], "a pod that reports the values in force is left alone"
+    assert first.updates == [{"max_num_seqs": 30}]
+    isvc = cluster.isvc("drift")
+    assert [e["lever"] for e in isvc["status"]["remediations"]] == ["lowerMaxNumSeqs"]
