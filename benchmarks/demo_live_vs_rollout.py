@@ -24,7 +24,15 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KEYS = ("storm_to_relief_s", "requests_during_relief", "rollout_s", "requests_during_rollout")
+KEYS = (
+    "storm_to_relief_s",
+    "requests_during_relief",
+    "requests_10s_after",
+    "tok_s_10s_after",
+    "preempt_s_10s_after",
+    "rollout_s",
+    "requests_during_rollout",
+)
 
 
 def run_once(out: Path, live: bool, quick: bool, model: str | None) -> dict:
@@ -37,6 +45,12 @@ def run_once(out: Path, live: bool, quick: bool, model: str | None) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd="/tmp")
     summary = json.loads((out / "summary.json").read_text())
     row = {key: summary.get(key) for key in KEYS}
+    span = summary.get("after_detection") or {}
+    row.update(
+        requests_10s_after=span.get("requests"),
+        tok_s_10s_after=span.get("output_tokens_per_s"),
+        preempt_s_10s_after=span.get("preemptions_per_s_per_replica"),
+    )
     row.update(
         live=live,
         passed=done.returncode == 0,
@@ -78,6 +92,9 @@ def main() -> None:
     labels = {
         "storm_to_relief_s": "storm -> relief (s)",
         "requests_during_relief": "requests completed meanwhile",
+        "requests_10s_after": "requests, first 10 s after",
+        "tok_s_10s_after": "output tok/s, first 10 s",
+        "preempt_s_10s_after": "preemptions/s, first 10 s",
         "rollout_s": "restart lever rollout (s)",
         "requests_during_rollout": "requests during the rollout",
     }

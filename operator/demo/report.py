@@ -22,6 +22,7 @@ from typing import Any
 WARMUP_S = 3.0
 SETTLE_S = 2.0
 RELIEF_HOLD_S = 5.0
+AFTER_DETECTION_S = 10.0  # the span after the first change whose requests the summary counts
 LABEL_BOX = {"facecolor": "white", "alpha": 0.8, "edgecolor": "none"}
 
 
@@ -134,6 +135,14 @@ def costs(timeline: Timeline, trips: list[Trip], marks: dict[str, float], thresh
         out["storm_to_relief_s"] = round(relieved - detected, 1)
         out["relief_applied_by"] = by.get("appliedBy") or "rollout"
         out["requests_during_relief"] = sum(1 for t in trips if detected < t.end <= relieved)
+    # What the clients got while the change took effect: the same span after detection in every run.
+    span = phase(timeline, trips, detected, detected + AFTER_DETECTION_S)
+    out["after_detection"] = {
+        "seconds": AFTER_DETECTION_S,
+        "requests": span["requests"],
+        "output_tokens_per_s": span["output_tokens_per_s"],
+        "preemptions_per_s_per_replica": span["preemptions_per_s_per_replica"],
+    }
     rollout = next((c for c in timeline.changes if (c.get("appliedBy") or "rollout") == "rollout"), None)
     if rollout is not None and "rolled_out" in marks:
         out["rollout_lever"] = rollout["lever"]
@@ -185,6 +194,13 @@ def summarize_run(
         )
     elif remediated is not None:
         lines.append(f"storm -> relief: the preemption rate never stayed below {threshold:g}/s")
+    if "after_detection" in cost:
+        span = cost["after_detection"]
+        lines.append(
+            f"first {span['seconds']:g} s after it: {span['requests']} requests completed, "
+            f"{span['output_tokens_per_s']:g} output tok/s, {span['preemptions_per_s_per_replica']:g} "
+            "preemptions/s per replica"
+        )
     if "rollout_s" in cost:
         lines.append(
             f"restart path: {cost['rollout_lever']} rolled out in {cost['rollout_s']:g} s (change to every "
