@@ -253,6 +253,8 @@ def test_remediation_ends_a_preemption_storm_on_a_real_engine(workspace, tiny_ll
                        **SHAPE_FLAGS},
             "remediation": {
                 "mode": "Auto", "preemptionRate": THRESHOLD, "window": f"{WINDOW_S}s", "cooldown": "8s",
+                # The restart path on real engines (the live order runs in the demo's test).
+                "liveLevers": False,
                 "limits": {"maxGpuMemoryUtilization": round(fraction + 0.05, 4), "minReplicas": 1,
                            "maxReplicas": 1, "minMaxNumSeqs": 4, "minMaxNumBatchedTokens": 128},
             },

@@ -52,6 +52,14 @@ class EngineMetrics:
         self._kv = Gauge(usage_name, "KV usage.", label, registry=registry).labels(model_name)
         self._waiting = Gauge(m.NUM_REQUESTS_WAITING, "Waiting.", label, registry=registry).labels(model_name)
         self._running = Gauge(m.NUM_REQUESTS_RUNNING, "Running.", label, registry=registry).labels(model_name)
+        # Before the info metrics, which come last (as in the engine's exposition).
+        buckets = (16, 64, 256, 1024, 4096)
+        self._prompt_tokens = Histogram(
+            m.REQUEST_PROMPT_TOKENS, "Prompt length.", label, buckets=buckets, registry=registry
+        ).labels(model_name)
+        self._generation_tokens = Histogram(
+            m.REQUEST_GENERATION_TOKENS, "Generated length.", label, buckets=buckets, registry=registry
+        ).labels(model_name)
         cache = Gauge(m.CACHE_CONFIG_INFO, "Cache config.", list(m.CACHE_CONFIG_LABELS), registry=registry)
         cache_labels = dict.fromkeys(m.CACHE_CONFIG_LABELS, "None")
         cache_labels.update(
@@ -72,13 +80,6 @@ class EngineMetrics:
             max_num_batched_tokens=str(max_num_batched_tokens),
         )
         model.labels(**model_labels).set(1)
-        buckets = (16, 64, 256, 1024, 4096)
-        self._prompt_tokens = Histogram(
-            m.REQUEST_PROMPT_TOKENS, "Prompt length.", label, buckets=buckets, registry=registry
-        ).labels(model_name)
-        self._generation_tokens = Histogram(
-            m.REQUEST_GENERATION_TOKENS, "Generated length.", label, buckets=buckets, registry=registry
-        ).labels(model_name)
         self._lock = threading.Lock()
 
     def set(self, *, kv: float | None = None, waiting: float | None = None, running: float | None = None):

@@ -27,6 +27,7 @@ def isvc(mode: str = "Auto") -> dict:
         "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
         "spec": {
             "model": {"source": "pvc://models/llm"},
+            "runtime": "vllm",  # the recording is vLLM's: no live levers, the memory fraction first
             "image": "vllm/vllm-openai:v0.32.0",
             "engine": {"gpuMemoryUtilization": 0.5, "maxNumSeqs": 32, "maxModelLen": 512, "blockSize": 32},
             "remediation": {"mode": mode, "window": "10s", "cooldown": "10m", "preemptionRate": 0.5},
