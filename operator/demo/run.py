@@ -76,7 +76,7 @@ class Scenario:
 
 
 FULL = Scenario("10m", window_s=12, cooldown_s=30, after_s=20, storm_timeout_s=150, rollout_timeout_s=150)
-QUICK = Scenario("test", window_s=6, cooldown_s=15, after_s=10, storm_timeout_s=90, rollout_timeout_s=90)
+QUICK = Scenario("test", window_s=6, cooldown_s=10, after_s=8, storm_timeout_s=90, rollout_timeout_s=90)
 
 
 def say(text: str = "") -> None:
