@@ -165,6 +165,14 @@ def run_case(name, spans, args, threads) -> dict:
     caches, tables = make_batch(
         spans, args.block_size, args.num_kv_heads, args.head_size, dtype, args.num_layers
     )
+    kernel_caches = caches
+    if args.head_major:
+        # The kernel reads the pool of ``KVCache(head_major=True)``: each (block, KV head) contiguous,
+        # viewed as the usual [num_blocks, block_size, num_kv_heads, head_size] (the torch paths keep the
+        # usual layout, which they need).
+        kernel_caches = [
+            tuple(c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in kv) for kv in caches
+        ]
     gen = torch.Generator().manual_seed(1)
     num_tokens = sum(q for _, q in spans)
     query = torch.randn(num_tokens, args.num_heads, args.head_size, generator=gen).to(dtype)
@@ -179,15 +187,17 @@ def run_case(name, spans, args, threads) -> dict:
     ]
     kernel_ms, kernel_cpu, kernel_out = [], [], None
     if cpu_ops.is_available():
-        kernel_out = cpu_ops.paged_attention(query, k0, v0, make_metadata(spans, tables), scale)
+        k1, v1 = kernel_caches[0]
+        kernel_out = cpu_ops.paged_attention(query, k1, v1, make_metadata(spans, tables), scale)
         impls.append((cpu_ops.paged_attention, kernel_ms, kernel_cpu))
     # Interleave the implementations so that drift in the machine's load hits all alike.
     for _ in range(args.rounds):
         for fn, wall, cpu in impls:
-            wall.append(time_step(fn, query, caches, spans, tables, scale, args.repeats))
+            cs = kernel_caches if fn is cpu_ops.paged_attention else caches
+            wall.append(time_step(fn, query, cs, spans, tables, scale, args.repeats))
             if threads == 1:
                 cpu.append(
-                    time_step(fn, query, caches, spans, tables, scale, args.repeats, clock=time.process_time)
+                    time_step(fn, query, cs, spans, tables, scale, args.repeats, clock=time.process_time)
                 )
     kv_bytes = 2 * sum(c + q for c, q in spans) * args.num_kv_heads * args.head_size * 2
     before, after = statistics.median(base_ms), statistics.median(new_ms)
@@ -267,6 +277,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--sweep", action="store_true", help="also sweep the decode chunk size")
+    parser.add_argument(
+        "--head-major",
+        action="store_true",
+        help="caches laid out as KVCache(head_major=True): each (block, KV head) contiguous",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "attention_cpu.json")
     args = parser.parse_args(argv)
 
@@ -291,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(
         "CPU attention per layer, torch path (bf16, "
-        f"{args.num_heads}q/{args.num_kv_heads}kv heads, d={args.head_size}, block {args.block_size})"
+        f"{args.num_heads}q/{args.num_kv_heads}kv heads, d={args.head_size}, block {args.block_size}"
+        f"{', head-major pool' if args.head_major else ''})"
     )
     print(header)
     for r in rows:

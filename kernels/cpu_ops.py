@@ -50,14 +50,18 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """``torch_ops.write_kv_cache`` in one pass of the extension (no mask, no host sync per layer)
-    where the dtypes match and the caches are contiguous CPU tensors; the torch op otherwise."""
+    where the dtypes match and the caches are CPU tensors whose head dimension is contiguous (any other
+    strides, e.g. the per-(block, head) contiguous pool's permuted views); the torch op otherwise."""
     ext = load_extension()
     if (
         ext is None
         or key.dtype != k_cache.dtype
         or value.dtype != v_cache.dtype
         or key.device.type != "cpu"
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.device.type != "cpu"
+        or v_cache.device.type != "cpu"
+        or k_cache.stride(-1) != 1
+        or v_cache.stride(-1) != 1
         or key.stride(-1) != 1
         or value.stride(-1) != 1
         or slot_mapping.dtype != torch.int64

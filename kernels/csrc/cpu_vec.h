@@ -58,12 +58,13 @@ inline float exp_approx(float x) {
 // The softmax's case: x <= 0 (the upper clamp never applies).
 inline float exp_nonpositive(float x) { return exp_approx(x); }
 
-template <typename T>
+// Locality 3 (the default) asks for L1, 2 for L2 (prefetcht1).
+template <int Locality = 3, typename T>
 inline void prefetch_rows(const T* first, int64_t stride, int num_rows, int d) {
   constexpr int kLine = 64 / sizeof(T);
   for (int k = 0; k < num_rows; ++k) {
     const T* row = first + k * stride;
-    for (int i = 0; i < d; i += kLine) __builtin_prefetch(row + i);
+    for (int i = 0; i < d; i += kLine) __builtin_prefetch(row + i, 0, Locality);
   }
 }
 

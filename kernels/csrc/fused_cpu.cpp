@@ -320,8 +320,9 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                     const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(),
               "key and value must be [num_tokens, num_kv_heads, head_size]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(), "caches must be contiguous [num_blocks, block_size, heads, d]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "caches must be [num_blocks, block_size, heads, d] with a contiguous head dimension");
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
               "key/value and caches must share a dtype");
   TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "head shapes differ");
@@ -329,7 +330,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == key.size(0), "slot_mapping must be int64 [num_tokens]");
   const int64_t num_tokens = key.size(0), heads = key.size(1), d = key.size(2);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
   const int64_t row_bytes = d * key.element_size();
   const auto slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -339,13 +341,18 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t es = key.element_size();
+  // Element offsets from the caches' strides: the pool may be laid out block-major with each (block,
+  // head) contiguous and exposed as a permuted view.
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
   at::parallel_for(0, num_tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slot[t] < 0) continue;  // padding: nothing to store
+      const int64_t block = slot[t] / block_size, pos = slot[t] % block_size;
       for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kc + (slot[t] * heads + h) * row_bytes, k + (t * key.stride(0) + h * key.stride(1)) * es,
+        std::memcpy(kc + (block * kb + pos * kt + h * kh) * es, k + (t * key.stride(0) + h * key.stride(1)) * es,
                     row_bytes);
-        std::memcpy(vc + (slot[t] * heads + h) * row_bytes,
+        std::memcpy(vc + (block * vb + pos * vt + h * vh) * es,
                     v + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
       }
     }

@@ -14,7 +14,8 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 // half(silu(gate)) * up of gate_up [T, 2 * I] (gate first): [T, I].
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
-// Stores key/value [T, Hkv, D] (rows may be strided) into the caches' slots; negative slots are skipped.
+// Stores key/value [T, Hkv, D] (rows may be strided) into the caches' slots (caches addressed by their
+// strides, the head dimension contiguous); negative slots are skipped.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slot_mapping);
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine import LLM, SamplingParams, model_runner
 from kvpilot.engine.model_runner import KVCache
 from kvpilot.kernels import cpu_ops, torch_ops
 
@@ -107,40 +106,3 @@ def test_write_kv_cache_into_head_major_caches(dtype):
     cpu_ops.write_kv_cache(key, value, *actual, slots)
     assert not actual[0].is_contiguous()
     assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
-
-
-def test_engine_on_head_major_pool_matches_torch_backend(tiny_llama, monkeypatch):
-    """The cpu backend's engine with the head-major pool (copy-on-write of shared prefix blocks
-    included) gives the torch backend's greedy tokens on the usual pool."""
-    require_cpu_kernel()
-
-    class HeadMajorKVCache(KVCache):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs, head_major=True)
-
-    prompts = [[(7 * i + 3 * n) % 900 + 5 for i in range(n)] for n in (1, 9, 17, 30)]
-    prompts.append(prompts[-1][:20] + [11, 12, 13])  # shares whole blocks with the previous prompt
-    result = {}
-    for backend in ("torch", "cpu"):
-        with monkeypatch.context() as m:
-            if backend == "cpu":
-                m.setattr(model_runner, "KVCache", HeadMajorKVCache)
-            llm = LLM(
-                str(tiny_llama),
-                device="cpu",
-                dtype="float32",
-                attention_backend=backend,
-                block_size=8,
-                max_num_batched_tokens=32,
-                num_gpu_blocks_override=64,
-                enable_prefix_caching=True,
-            )
-            try:
-                assert llm.llm_engine.runner.kv_cache.head_major == (backend == "cpu")
-                outs = llm.generate(
-                    [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=6)
-                )
-            finally:
-                llm.shutdown()
-        result[backend] = [o.outputs[0].token_ids for o in outs]
-    assert result["cpu"] == result["torch"]

@@ -23,6 +23,15 @@ CHART = REPO / "charts" / "kvpilot"
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 K8S_VERSION = "1.33.0"  # kubernetes-validate schemas checked against (a recent, widely deployed release)
 
+# A short window and the ladder's first lever a rollout (the tests of the operator's own loop and
+# metrics; the live order has its tests in test_policy and test_remediation_live_kmock).
+FAST_ROLLOUT_REMEDIATION: dict[str, Any] = {
+    "mode": "Auto",
+    "preemptionRate": 0.5,
+    "window": "4s",
+    "cooldown": "60s",
+    "liveLevers": False,
+}
 BASE_ISVC: dict[str, Any] = {
     "apiVersion": "serving.kvpilot.io/v1alpha1",
     "kind": "InferenceService",

@@ -31,7 +31,7 @@ from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile.reconciler import Reconciler
 from kvpilot.operator.remediation.loop import Autotuner
 from kvpilot.operator.remediation.pods import Target
-from tests.operator.conftest import BASE_ISVC, find_tool
+from tests.operator.conftest import BASE_ISVC, FAST_ROLLOUT_REMEDIATION, find_tool
 from tests.operator.engine_metrics import EngineMetrics, ScriptedEngine
 from tests.operator.test_observability_prometheus import run_prometheus
 from tests.operator.test_operator_metrics import _pod, samples
@@ -90,13 +90,7 @@ async def _service(engine: ScriptedEngine) -> tuple[LocalApi, Reconciler]:
     isvc = copy.deepcopy(BASE_ISVC)
     isvc["spec"]["replicas"] = 1
     isvc["spec"]["engine"] = {"maxNumSeqs": 128, "gpuMemoryUtilization": 0.8}
-    isvc["spec"]["remediation"] = {
-        "mode": "Auto",
-        "preemptionRate": 0.5,
-        "window": "4s",
-        "cooldown": "60s",
-        "liveLevers": False,  # the ladder's first lever rolls out (the live order: test_policy, *_live_*)
-    }
+    isvc["spec"]["remediation"] = dict(FAST_ROLLOUT_REMEDIATION)
     await api.create(prepare(isvc, NS))
 
     async def no_events(*_):

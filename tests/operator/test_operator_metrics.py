@@ -27,7 +27,7 @@ from kvpilot.operator.remediation.decision import APPLY, NONE, RAISE_GPU_MEMORY,
 from kvpilot.operator.remediation.loop import Autotuner
 from kvpilot.operator.remediation.pods import Failure
 from kvpilot.operator.remediation.window import MetricWindow
-from tests.operator.conftest import BASE_ISVC
+from tests.operator.conftest import BASE_ISVC, FAST_ROLLOUT_REMEDIATION
 from tests.operator.engine_metrics import EngineMetrics, ScriptedEngine
 
 NS, NAME = "llm", "llama"
@@ -78,13 +78,7 @@ async def _storm(delete: bool = True) -> dict:
     isvc = copy.deepcopy(BASE_ISVC)
     isvc["spec"]["replicas"] = 1
     isvc["spec"]["engine"] = {"maxNumSeqs": 128, "gpuMemoryUtilization": 0.8}
-    isvc["spec"]["remediation"] = {
-        "mode": "Auto",
-        "preemptionRate": 0.5,
-        "window": "4s",
-        "cooldown": "60s",
-        "liveLevers": False,  # the ladder's first lever rolls out (the live order: test_policy, *_live_*)
-    }
+    isvc["spec"]["remediation"] = dict(FAST_ROLLOUT_REMEDIATION)
     await api.create(prepare(isvc, NS))
 
     async def no_events(*_):

@@ -23,7 +23,7 @@ from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile.reconciler import Reconciler
 from kvpilot.operator.remediation.loop import Autotuner
 from kvpilot.operator.render import builders
-from tests.operator.conftest import BASE_ISVC
+from tests.operator.conftest import BASE_ISVC, FAST_ROLLOUT_REMEDIATION
 from tests.operator.engine_metrics import EngineMetrics, ScriptedEngine
 
 NS, NAME, PODS = "llm", "llama", 3
@@ -90,13 +90,7 @@ async def _ticks(calls: Calls, count: int) -> list[tuple[int, list[str], int]]:
     api = LocalApi()
     isvc = copy.deepcopy(BASE_ISVC)
     isvc["spec"]["replicas"] = PODS
-    isvc["spec"]["remediation"] = {
-        "mode": "Auto",
-        "preemptionRate": 0.5,
-        "window": "4s",
-        "cooldown": "60s",
-        "liveLevers": False,  # the ladder's first lever rolls out (the live order: test_policy, *_live_*)
-    }
+    isvc["spec"]["remediation"] = dict(FAST_ROLLOUT_REMEDIATION)
     await api.create(prepare(isvc, NS))
 
     async def no_events(*_):
