@@ -1,0 +1,112 @@
+"""kvpilot against vLLM's CPU build (and transformers' static batching) on one workload, side by side.
+
+Runs ``../shared/peer-bench/peer_throughput.py`` (the shared workload definition: preset ``default`` is
+64 requests, 17,709 prompt + 8,885 output tokens, greedy, exact output lengths) as fresh processes,
+interleaved kvpilot, vLLM, kvpilot, ... for each checkpoint and setting:
+
+- ``1 thread``: both on one compute thread (kvpilot ``--threads 1``; vLLM's worker bound to core 0);
+- ``whole box``: each at its best on every core (kvpilot on all of them; vLLM with its default
+  binding, its worker and its front end on cores of their own);
+
+then transformers' static batching (batch 8) on the first checkpoint at one thread. Prints the table
+of medians and ratios that the README's benchmark section shows, and writes
+``benchmarks/results/side_by_side.json`` with every run.
+
+    cd /tmp && python /path/to/benchmarks/side_by_side.py --rounds 2 \\
+        --vllm-python ~/.cache/kvpilot-peer/vllm-venv/bin/python
+
+Checkpoints: ``$PEER/models/{tiny,small}`` built by the peer bench's ``make_tiny_model.py`` (``$PEER``
+defaults to ``~/.cache/kvpilot-peer``). kvpilot runs with this interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PEER_BENCH = HERE.parent.parent / "shared" / "peer-bench"
+
+
+def run(python: str, backend: str, model: Path, threads: int, preset: str, log: Path, **extra) -> dict:
+    """One fresh process of ``peer_throughput.py``; its RESULT line as a dict (``{}`` when it failed)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if backend == "vllm":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else "auto"
+    command = [python, str(PEER_BENCH / "peer_throughput.py"), "--backend", backend, "--model", str(model)]
+    command += ["--preset", preset, "--repeat", "1", "--threads", str(threads)]
+    for key, value in extra.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd="/tmp")
+    log.write_text(done.stdout + done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    return json.loads(lines[-1].split("RESULT", 1)[1]) if lines else {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    peer = Path(os.environ.get("PEER", Path.home() / ".cache" / "kvpilot-peer"))
+    parser.add_argument("--vllm-python", default=str(peer / "vllm-venv" / "bin" / "python"))
+    parser.add_argument("--models", default="tiny,small", help="checkpoints under $PEER/models")
+    parser.add_argument("--preset", default="default")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the whole box")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers' static batching")
+    args = parser.parse_args()
+    logs = peer / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
+    table: list[tuple[str, list[float], list[float]]] = []
+    for name in args.models.split(","):
+        model = peer / "models" / name
+        for setting, threads in (("1 compute thread each", 1), ("whole box", args.threads)):
+            got: dict[str, list[float]] = {"kvpilot": [], "vllm": []}
+            for index in range(args.rounds):
+                for backend, python in (("kvpilot", sys.executable), ("vllm", args.vllm_python)):
+                    log = logs / f"sbs_{backend}_{name}_t{threads}_{index}.log"
+                    result = run(python, backend, model, threads, args.preset, log)
+                    runs.append({"model": name, "setting": setting, "backend": backend, **result})
+                    value = result.get("output_tok_per_s")
+                    print(f"{name}, {setting}, round {index + 1}, {backend}: {value} out tok/s", flush=True)
+                    if value:
+                        got[backend].append(value)
+            table.append((f"{name}, {setting}", got["kvpilot"], got["vllm"]))
+    if not args.no_hf:
+        name = args.models.split(",")[0]
+        hf = []
+        for index in range(args.rounds):
+            log = logs / f"sbs_hf_{name}_{index}.log"
+            result = run(sys.executable, "hf", peer / "models" / name, 1, args.preset, log, batch_size=8)
+            runs.append({"model": name, "setting": "1 thread, static batch 8", "backend": "hf", **result})
+            print(f"{name}, transformers static batch 8, round {index + 1}: {result.get('output_tok_per_s')}")
+            if result.get("output_tok_per_s"):
+                hf.append(result["output_tok_per_s"])
+        ours = next(k for label, k, _ in table if label == f"{name}, 1 compute thread each")
+        table.append((f"{name}, 1 thread: kvpilot vs transformers static batch 8", ours, hf))
+
+    def show(values: list[float]) -> str:
+        return "; ".join(f"{v:,.0f}" for v in values) or "-"
+
+    print()
+    print("| checkpoint, setting | kvpilot out tok/s | peer out tok/s | kvpilot / peer (median) |")
+    print("| --- | --- | --- | --- |")
+    medians = {}
+    for label, ours, theirs in table:
+        ratio = statistics.median(ours) / statistics.median(theirs) if ours and theirs else None
+        medians[label] = ratio
+        shown = f"{ratio:.2f}" if ratio is not None else "-"
+        print(f"| {label} | {show(ours)} | {show(theirs)} | {shown} |")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "side_by_side.json"
+    path.write_text(json.dumps({"runs": runs, "ratios": medians, "preset": args.preset}, indent=1))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
