@@ -113,9 +113,8 @@ class Cluster:
         name = isvc["metadata"]["name"]
         return wait_for(lambda: self.deployment(name), what=f"the Deployment of {name}")
 
-    def engine(self, rate: float, api_key: str | None = None, **gauges) -> ScriptedEngine:
-        metrics = EngineMetrics(max_num_seqs=64, num_gpu_blocks=600).set(**gauges)
-        engine = ScriptedEngine(metrics, rate=rate, api_key=api_key)
+    def engine(self, rate: float, **gauges) -> ScriptedEngine:
+        engine = ScriptedEngine(EngineMetrics(max_num_seqs=64, num_gpu_blocks=600).set(**gauges), rate=rate)
         self.engines.append(engine)
         return engine
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 import base64
 import json
 
-from tests.operator import test_remediation_kmock as kmock
+import pytest
+
 from tests.operator.conftest import wait_for
-from tests.operator.engine_metrics import ScriptedEngine
+from tests.operator.engine_metrics import EngineMetrics, ScriptedEngine
 from tests.operator.test_remediation_kmock import (
+    ISVCS,
     NS,
+    PODS,
+    SCRAPE_INTERVAL,
     Cluster,
     events,
     flag,
@@ -24,9 +28,6 @@ from tests.operator.test_remediation_kmock import (
     template_hash,
     wait_for_ticks,
 )
-
-# The operator process (one per module) and the played cluster of the remediation tests.
-operator, cluster = kmock.operator, kmock.cluster
 
 KEY = "live-key-0123"
 # The memory fraction is at its limit: the storm ladder's next lever is maxNumSeqs (64 → 30: 3/4 of
@@ -42,8 +43,32 @@ def live_values(api, name: str) -> dict:
     return json.loads(config_map(api, name)["data"]["live-config.json"])
 
 
+@pytest.fixture(scope="module")
+def operator(api, start_operator):
+    proc = start_operator(
+        [NS],
+        ["--resync-interval", "30", "--scrape-interval", str(SCRAPE_INTERVAL), "--scrape-timeout", "0.5"],
+    )
+    wait_for(lambda: "Initial authentication has finished" in proc.log, what="the operator to log in")
+    return proc
+
+
+@pytest.fixture
+def cluster(api, operator):
+    cluster = Cluster(api)
+    yield cluster
+    cluster.stop()
+    for item in (api.get(ISVCS) or {"items": []})["items"]:
+        api.delete(f"{ISVCS}/{item['metadata']['name']}")
+    for item in (api.get(PODS) or {"items": []})["items"]:
+        api.delete(f"{PODS}/{item['metadata']['name']}")
+
+
 def storm_engine(cluster: Cluster, api_key: str | None = None) -> ScriptedEngine:
-    return cluster.engine(5.0, api_key=api_key, kv=0.97, waiting=2, running=40)
+    metrics = EngineMetrics(max_num_seqs=64, num_gpu_blocks=600).set(kv=0.97, waiting=2, running=40)
+    engine = ScriptedEngine(metrics, rate=5.0, api_key=api_key)
+    cluster.engines.append(engine)
+    return engine
 
 
 def test_a_live_lever_reaches_every_pod_and_changes_no_deployment(api, cluster, operator):
@@ -161,8 +186,9 @@ def test_a_storm_is_relieved_live_then_the_restart_lever_rolls_out_and_the_relie
     )
     # The rollout, played as the Deployment controller would: the new pod starts with the ConfigMap's
     # values (the relief still in force), the old one goes.
-    second = cluster.engine(0.0, kv=0.5, waiting=0, running=30)
+    second = ScriptedEngine(EngineMetrics(max_num_seqs=64, num_gpu_blocks=700).set(kv=0.5, running=30))
     second.config["max_num_seqs"] = live_values(api, "order")["max_num_seqs"]
+    cluster.engines.append(second)
     cluster.start_pod("order", "order-b", second)
     cluster.delete_pod("order-a")
 
@@ -194,7 +220,8 @@ def test_a_pod_that_reports_other_live_values_than_those_in_force_is_corrected(a
     first.set_rate(0.0)
     assert first.updates == [{"max_num_seqs": 30}]
     # A second pod comes up with the start-up value 64 (it never heard of the change).
-    late = cluster.engine(0.0, kv=0.5, waiting=0, running=20)
+    late = ScriptedEngine(EngineMetrics(max_num_seqs=64, num_gpu_blocks=600).set(kv=0.5, running=20))
+    cluster.engines.append(late)
     cluster.start_pod("drift", "drift-b", late)
     wait_for(lambda: late.updates, timeout=20, what="the correction")
     assert late.updates == [{"max_num_seqs": 30}] and late.config["max_num_seqs"] == 30
