@@ -29,8 +29,17 @@ SOURCE = CSRC / "paged_attention_cpu.cpp"
 SOURCES = (SOURCE, CSRC / "fused_cpu.cpp")
 # -fopenmp-simd: the `omp simd` loops may reassociate their reductions; nothing else is relaxed
 # (no -ffast-math: results must stay within the reference's tolerance).
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno"]
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno")
+# ATen's parallel_for is a header template: without -fopenmp it runs its range on the calling thread.
+# The extension then links the libgomp that torch has already loaded (one OpenMP runtime, one pool).
+OPENMP_FLAGS = ("-fopenmp",)
+
+
+def _cflags(openmp: bool) -> list[str]:
+    # A fresh list each time: torch's cpp_extension appends to the lists it is handed.
+    return [*CFLAGS, *(OPENMP_FLAGS if openmp else ())]
 _MARKER = "complete"
+_FAILED = "failed"
 
 
 def cache_root() -> Path:
@@ -49,14 +58,14 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_key() -> str:
+def build_key(openmp: bool = True) -> str:
     """The hash that names the build directory (sources and headers, flags, torch, Python, CPU)."""
     import torch
 
     h = hashlib.sha256()
     for part in (
         *(path.read_bytes() for path in sorted(CSRC.glob("*.[ch]*"))),
-        " ".join(CFLAGS).encode(),
+        " ".join(_cflags(openmp)).encode(),
         torch.__version__.encode(),
         sysconfig.get_config_var("SOABI").encode() if sysconfig.get_config_var("SOABI") else b"",
         _cpu_flags().encode(),
@@ -93,7 +102,7 @@ def _ninja_path() -> str:
     return os.pathsep.join([*extra, os.environ.get("PATH", "")])
 
 
-def _build(name: str, directory: Path) -> ModuleType:
+def _build(name: str, directory: Path, openmp: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -103,7 +112,8 @@ def _build(name: str, directory: Path) -> ModuleType:
         module = cpp_extension.load(
             name=name,
             sources=[str(path) for path in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=_cflags(openmp),
+            extra_ldflags=list(OPENMP_FLAGS) if openmp else [],
             build_directory=str(directory),
             verbose=False,
         )
@@ -116,22 +126,44 @@ def _build(name: str, directory: Path) -> ModuleType:
     return module
 
 
+def _load(openmp: bool) -> ModuleType:
+    name = f"kvpilot_cpu_attention_{build_key(openmp)}"
+    directory = cache_root() / name
+    if (directory / _MARKER).exists():
+        module = _import_built(name, directory)
+        if module is not None:
+            return module
+    if (directory / _FAILED).exists():
+        raise RuntimeError(f"an earlier build failed (remove {directory} to retry)")
+    logger.info("building the CPU attention kernel once (cached in %s)", directory)
+    try:
+        return _build(name, directory, openmp)
+    except Exception:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / _FAILED).write_text("the build with these flags failed\n")
+        raise
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
 @functools.cache
 def load_extension() -> ModuleType | None:
-    """The compiled kernel module, built on first use; None (after one log line) if it cannot be."""
+    """The compiled kernel module, built on first use; None (after one log line) if it cannot be.
+
+    Built with OpenMP (the kernels' ``at::parallel_for`` then runs on ATen's threads); where that
+    build fails (a compiler without libgomp) it is built once more without, and runs on one thread.
+    """
     try:
-        name = f"kvpilot_cpu_attention_{build_key()}"
-        directory = cache_root() / name
-        if (directory / _MARKER).exists():
-            module = _import_built(name, directory)
-            if module is not None:
-                return module
-        logger.info("building the CPU attention kernel once (cached in %s)", directory)
-        return _build(name, directory)
-    except Exception as exc:  # any failure means "use the torch path", never a failed start-up
-        logger.warning(
-            "CPU attention kernel unavailable (%s: %s); using the torch path",
-            type(exc).__name__,
-            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
-        )
+        return _load(openmp=True)
+    except Exception as exc:  # any failure means "try without OpenMP", then "use the torch path"
+        first = _reason(exc)
+    try:
+        module = _load(openmp=False)
+        logger.warning("CPU kernels built without OpenMP (%s); they run on one thread", first)
+        return module
+    except Exception as exc:
+        logger.warning("CPU attention kernel unavailable (%s); using the torch path", _reason(exc))
         return None

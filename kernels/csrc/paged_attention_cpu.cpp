@@ -557,6 +557,18 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   return out;
 }
 
+// How many distinct threads an at::parallel_for over n single-item chunks runs on: 1 when the
+// extension was built without OpenMP (ATen's parallel_for then runs the range on the caller).
+int64_t parallel_width(int64_t n) {
+  std::atomic<int64_t> seen{0};
+  std::vector<std::atomic<int>> used(std::max<int64_t>(1, at::get_num_threads()));
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int64_t t = at::get_thread_num();
+    if (t >= 0 && t < static_cast<int64_t>(used.size()) && used[t].exchange(1) == 0) seen.fetch_add(1);
+  });
+  return seen.load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -566,4 +578,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &kvpilot_cpu::rotary_, "Neox rotary embedding in place on q and k");
   m.def("silu_and_mul", &kvpilot_cpu::silu_and_mul, "silu(gate) * up");
   m.def("write_kv_cache", &kvpilot_cpu::write_kv_cache, "Store K/V rows in their cache slots");
+  m.def("parallel_width", &parallel_width, "Threads an at::parallel_for over n items runs on");
 }

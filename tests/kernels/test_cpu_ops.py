@@ -101,6 +101,21 @@ def test_thread_counts_give_the_same_result(threads):
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_loops_run_on_torchs_threads(threads):
+    """The extension's ``at::parallel_for`` loops run on as many threads as torch is set to. Built
+    without OpenMP, ATen's parallel_for runs the whole range on the calling thread, and an engine on
+    two threads would get one thread of attention."""
+    ext = cpu_build.load_extension()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        width = ext.parallel_width(64)
+    finally:
+        torch.set_num_threads(before)
+    assert width == threads
+
+
 def test_unused_heads_of_a_fused_qkv_view_are_not_read():
     """The query may be a strided view; the result equals the contiguous query's."""
     batch = make_paged_batch([(20, 1), (5, 9)], 6, 2, 80, 8, torch.float16, device="cpu", seed=7)
@@ -188,3 +203,32 @@ def test_build_is_cached_across_processes(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "True", proc.stderr[-3000:]
+
+
+def test_a_failed_openmp_build_falls_back_once(tmp_path, monkeypatch, caplog):
+    """Where the OpenMP build fails, the kernels are built without it (one thread, one warning), and
+    the failure is remembered: later loads do not compile the failing build again."""
+    calls = []
+    sentinel = object()
+
+    def fake_build(name, directory, openmp):
+        calls.append(openmp)
+        if openmp:
+            raise RuntimeError("cannot find -lgomp")
+        directory.mkdir(parents=True, exist_ok=True)
+        return sentinel
+
+    monkeypatch.setenv("KVPILOT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_build", fake_build)
+    cpu_build.load_extension.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kvpilot.kernels"):
+            assert cpu_build.load_extension() is sentinel
+        assert calls == [True, False]
+        assert "without OpenMP" in caplog.text and "cannot find -lgomp" in caplog.text
+        assert (tmp_path / f"kvpilot_cpu_attention_{cpu_build.build_key(True)}" / "failed").exists()
+        cpu_build.load_extension.cache_clear()
+        assert cpu_build.load_extension() is sentinel
+        assert calls == [True, False, False]
+    finally:
+        cpu_build.load_extension.cache_clear()
