@@ -4,8 +4,10 @@ torch's block copy and swap.
 ``paged_attention`` has the signature of ``torch_ops.paged_attention``. The kernel walks each
 request's block table and reads the blocks where they lie (no gather copy, no padded keys), with an
 online softmax in fp32 over the key blocks (a prefill tile steps four blocks of 16 at a time),
-parallel over (request, KV head, query tile) on ATen's
-threads. See ``kernels/csrc/paged_attention_cpu.cpp``.
+parallel over (request, KV head, query tile) on ATen's threads. In bfloat16, decode rows take
+AVX512-BF16 dot products on the raw keys, and prefill tiles take AMX tile products where the CPU has
+them (``uses_amx()``; P rounded to bfloat16 for the PV product). See
+``kernels/csrc/paged_attention_cpu.cpp``.
 
 ``fused_ops()`` returns the extension's fused elementwise ops of a decoder layer (add + RMSNorm,
 rotary in place, SiLU x up) used for bfloat16 activations, or None where the extension is not
@@ -31,10 +33,17 @@ __all__ = [
     "is_available",
     "paged_attention",
     "swap_blocks",
+    "uses_amx",
     "write_kv_cache",
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def uses_amx() -> bool:
+    """Whether bfloat16 prefill tiles run on AMX here (the kernel built for it and the OS permits it)."""
+    ext = load_extension()
+    return bool(ext is not None and ext.uses_amx())
 
 
 def is_available() -> bool:

@@ -5,7 +5,9 @@
 // so every K/V row is read and converted once per item. Each item walks its request's block table and
 // runs an online softmax over the key blocks with fp32 accumulation. Items are handed out dynamically
 // (largest first) to the threads of ATen's pool. bfloat16 items with few rows (decode) take a path that
-// reads K and V straight from the cache with AVX512-BF16 (attend_bf16_rows), with no fp32 scratch copy.
+// reads K and V straight from the cache with AVX512-BF16 (attend_bf16_rows), with no fp32 scratch copy;
+// bfloat16 items with more rows (prefill tiles) run QK^T and PV on AMX tiles where the CPU has them
+// (attend_amx). Other items convert K/V to fp32 rows in scratch.
 //
 // Shapes (strides are taken from the tensors; the last dimension must be contiguous):
 //   query:           [num_tokens, num_heads, head_size]
@@ -22,6 +24,9 @@
 
 #include "cpu_vec.h"
 #include "fused_cpu.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -198,11 +203,12 @@ void attend_bf16_rows(const WorkItem& item, const c10::BFloat16* query, const c1
   float* s = sc.s.data();
   float* m = sc.m.data();
   float* l = sc.l.data();
-  __m512bh q[kChunkMinRows][kPairs];
+  // The query rows as bfloat16 pairs, copied into the (fp32-sized, so large enough) query scratch.
+  uint16_t* qb = reinterpret_cast<uint16_t*>(sc.q.data());
   for (int r = 0; r < rows; ++r) {
     const int64_t token = first_token + r / group, q_head = item.kv_head * group + r % group;
     const uint16_t* src = reinterpret_cast<const uint16_t*>(query + token * st.q_token + q_head * st.q_head);
-    for (int j = 0; j < kPairs; ++j) q[r][j] = as_bf16_pairs(_mm512_loadu_si512(src + 32 * j));
+    std::copy(src, src + d, qb + r * d);
     std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
@@ -237,8 +243,10 @@ void attend_bf16_rows(const WorkItem& item, const c10::BFloat16* query, const c1
       }
       max_visible = std::max(max_visible, visible);
       float block_max = -std::numeric_limits<float>::infinity();
+      __m512bh qr[kPairs];
+      for (int j = 0; j < kPairs; ++j) qr[j] = as_bf16_pairs(_mm512_loadu_si512(qb + r * d + 32 * j));
       for (int c = 0; c < visible; c += 16) {
-        const __m512 dots = scores_16_bf16<HEAD>(q[r], kb + c * st.k_token, st.k_token, visible - c);
+        const __m512 dots = scores_16_bf16<HEAD>(qr, kb + c * st.k_token, st.k_token, visible - c);
         const __m512 sc16 =
             _mm512_mask_blend_ps(first_lanes(visible - c), minus_inf, _mm512_mul_ps(dots, scale16));
         block_max = std::max(block_max, _mm512_reduce_max_ps(sc16));
@@ -282,6 +290,234 @@ void attend_bf16_rows(const WorkItem& item, const c10::BFloat16* query, const c1
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVPILOT_AMX 1
+// The bfloat16 path of an item with many rows (a prefill tile) on AMX: the query rows and the scores
+// run through the tile unit in 16 x 16 fp32 tiles.
+//
+//   S = Q K^T   A = 16 query rows x 32 dims (bfloat16, as stored), B = K^T in pairs: a 16 x 16
+//               transpose of the 32-bit dimension pairs of 16 keys (transpose_16x16_epi32)
+//   O += P V    A = 16 rows x 32 keys of P rounded to bfloat16, B = 32 keys x 16 dims of V with
+//               the rows of each key pair interleaved
+//
+// The online softmax between the two is the fp32 path's (per row, over a chunk of up to kChunkKeys
+// keys). Products are exact in fp32 and sums fp32 as in the AVX512-BF16 path; P is rounded to
+// bfloat16 for the PV product (as flash attention does on GPUs), the row sums l stay fp32.
+
+// Whether this process may use the tile registers: Linux hands them out on request (once per process).
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-2, each 16 rows of 64 bytes: 0 the fp32 product, 1 A, 2 B.
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 3; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Rows become columns: r[i] lane j <- r[j] lane i, for 16 rows of 16 32-bit lanes.
+inline void transpose_16x16_epi32(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4g + k]: rows 4g .. 4g + 3 at column 4L + k, in 128-bit lane L
+  for (int g = 0; g < 4; ++g) {
+    const __m512i *a = t + 4 * g;
+    u[4 * g + 0] = _mm512_unpacklo_epi64(a[0], a[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(a[0], a[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(a[1], a[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(a[1], a[3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v_lo = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
+    const __m512i w_lo = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i v_hi = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+    const __m512i w_hi = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(v_lo, w_lo, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(v_lo, w_lo, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(v_hi, w_hi, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(v_hi, w_hi, 0xDD);
+  }
+}
+
+struct AmxScratch {
+  std::vector<uint16_t> q, kt, vv, p;
+  std::vector<float> s, acc, m, l;
+};
+
+template <int HEAD>
+void attend_amx(const WorkItem& item, const c10::BFloat16* query, const c10::BFloat16* k_cache,
+                const c10::BFloat16* v_cache, c10::BFloat16* out, const int32_t* query_start_loc,
+                const int32_t* seq_lens, const int32_t* block_tables, const Strides& st, int num_heads, int group,
+                int block_size, float scale) {
+  static_assert(HEAD % 32 == 0, "AMX tiles take 32 dimensions at a time");
+  constexpr int d = HEAD;
+  constexpr int kSlabs = HEAD / 32;  // 32-dimension slabs of a key (QK) ...
+  constexpr int kCols = HEAD / 16;   // ... and 16-dimension column tiles of V (PV)
+  thread_local AmxScratch sc;
+  const int q_len = query_start_loc[item.req + 1] - query_start_loc[item.req];
+  const int context = seq_lens[item.req] - q_len;
+  const int first_token = query_start_loc[item.req] + item.q_begin;
+  const int rows = (item.q_end - item.q_begin) * group;
+  const int padded_rows = round_up_16(rows);
+  const int chunk_blocks = blocks_per_chunk(block_size);
+  const int chunk = chunk_blocks * block_size;
+  const int cp = (chunk + 31) / 32 * 32;  // keys per chunk, padded to whole PV tiles
+  sc.q.assign(static_cast<size_t>(padded_rows) * d, 0);
+  sc.kt.resize(static_cast<size_t>(cp) * d);
+  sc.vv.resize(static_cast<size_t>(cp) * d);
+  sc.p.resize(static_cast<size_t>(padded_rows) * cp);
+  sc.s.resize(static_cast<size_t>(padded_rows) * cp);
+  sc.acc.assign(static_cast<size_t>(padded_rows) * d, 0.0f);
+  sc.m.assign(padded_rows, -std::numeric_limits<float>::infinity());
+  sc.l.assign(padded_rows, 0.0f);
+  uint16_t* qb = sc.q.data();
+  float* s = sc.s.data();
+  float* acc = sc.acc.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  for (int r = 0; r < rows; ++r) {
+    const int64_t token = first_token + r / group, q_head = item.kv_head * group + r % group;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(query + token * st.q_token + q_head * st.q_head);
+    std::copy(src, src + d, qb + r * d);
+  }
+  configure_tiles();
+  const int kv_end = context + item.q_end;
+  const int32_t* table = block_tables + item.req * st.table_row;
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(k_cache) + item.kv_head * st.k_head;
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(v_cache) + item.kv_head * st.v_head;
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i zero = _mm512_setzero_si512();
+  // Interleaves two 16-element bfloat16 rows a, b (in the low and high halves) as a0 b0 a1 b1 ...
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int base = 0, blk = 0; base < kv_end; base += chunk, blk += chunk_blocks) {
+    const int num_keys = std::min(chunk, kv_end - base);
+    auto key_row = [&](const uint16_t* cache, int64_t block_stride, int64_t token_stride, int k) {
+      return cache + int64_t(table[blk + k / block_size]) * block_stride + (k % block_size) * token_stride;
+    };
+    // K^T tiles: for key tile kt and slab j, 16 rows (dimension pairs) of 16 keys.
+    for (int kt = 0; kt < cp / 16; ++kt) {
+      const uint16_t* krow[16];
+      for (int n = 0; n < 16; ++n) {
+        const int k = kt * 16 + n;
+        krow[n] = k < num_keys ? key_row(kc, st.k_block, st.k_token, k) : nullptr;
+      }
+      for (int j = 0; j < kSlabs; ++j) {
+        __m512i r[16];
+        for (int n = 0; n < 16; ++n) r[n] = krow[n] ? _mm512_loadu_si512(krow[n] + 32 * j) : zero;
+        transpose_16x16_epi32(r);
+        uint16_t* dst = sc.kt.data() + (static_cast<size_t>(kt) * kSlabs + j) * 512;
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + 32 * p, r[p]);
+      }
+    }
+    // S = Q K^T, tile by tile.
+    for (int rt = 0; rt < padded_rows / 16; ++rt) {
+      for (int kt = 0; kt < cp / 16; ++kt) {
+        _tile_zero(0);
+        for (int j = 0; j < kSlabs; ++j) {
+          _tile_loadd(1, qb + rt * 16 * d + 32 * j, d * 2);
+          _tile_loadd(2, sc.kt.data() + (static_cast<size_t>(kt) * kSlabs + j) * 512, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, s + rt * 16 * cp + kt * 16, cp * 4);
+      }
+    }
+    // V in key pairs: for 32-key slab kk and column tile c, 16 rows of 16 interleaved pairs.
+    for (int kk = 0; kk < cp / 32; ++kk) {
+      for (int pr = 0; pr < 16; ++pr) {
+        const int k0 = kk * 32 + 2 * pr, k1 = k0 + 1;
+        const uint16_t* v0 = k0 < num_keys ? key_row(vc, st.v_block, st.v_token, k0) : nullptr;
+        const uint16_t* v1 = k1 < num_keys ? key_row(vc, st.v_block, st.v_token, k1) : nullptr;
+        for (int c = 0; c < kCols; ++c) {
+          const __m256i a = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c))
+                               : _mm256_setzero_si256();
+          const __m256i b = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c))
+                               : _mm256_setzero_si256();
+          const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+          uint16_t* dst = sc.vv.data() + (static_cast<size_t>(kk) * kCols + c) * 512 + 32 * pr;
+          _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(pairs, ab));
+        }
+      }
+    }
+    // The online softmax, row by row; P in bfloat16 for the PV tiles.
+    for (int r = 0; r < padded_rows; ++r) {
+      float* sr = s + r * cp;
+      uint16_t* pr = sc.p.data() + r * cp;
+      const int position = context + item.q_begin + r / group;
+      const int visible = r < rows ? std::min(num_keys, position - base + 1) : 0;
+      if (visible <= 0) {
+        std::fill(pr, pr + cp, 0);
+        continue;
+      }
+      __m512 block_max = minus_inf;
+      for (int c = 0; c < visible; c += 16) {
+        const __m512 v = _mm512_mask_blend_ps(first_lanes(visible - c), minus_inf,
+                                              _mm512_mul_ps(_mm512_loadu_ps(sr + c), scale16));
+        block_max = _mm512_max_ps(block_max, v);
+        _mm512_storeu_ps(sr + c, v);
+      }
+      const float new_max = std::max(m[r], _mm512_reduce_max_ps(block_max));
+      const __m512 shift = _mm512_set1_ps(new_max);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < cp; c += 32) {
+        const __m512 p0 = _mm512_maskz_mov_ps(first_lanes(visible - c),
+                                              exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), shift)));
+        const __m512 p1 = _mm512_maskz_mov_ps(
+            first_lanes(visible - c - 16), exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(sr + c + 16), shift)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        _mm512_storeu_si512(pr + c, __builtin_bit_cast(__m512i, _mm512_cvtne2ps_pbh(p1, p0)));
+      }
+      if (new_max != m[r]) {
+        const float alpha = std::isinf(m[r]) ? 0.0f : exp_nonpositive(m[r] - new_max);
+        float* ar = acc + r * d;
+        for (int i = 0; i < d; ++i) ar[i] *= alpha;
+        l[r] *= alpha;
+        m[r] = new_max;
+      }
+      l[r] += _mm512_reduce_add_ps(sum);
+    }
+    // O += P V.
+    for (int rt = 0; rt < padded_rows / 16; ++rt) {
+      for (int c = 0; c < kCols; ++c) {
+        float* ac = acc + rt * 16 * d + 16 * c;
+        _tile_loadd(0, ac, d * 4);
+        for (int kk = 0; kk < cp / 32; ++kk) {
+          _tile_loadd(1, sc.p.data() + rt * 16 * cp + 32 * kk, cp * 2);
+          _tile_loadd(2, sc.vv.data() + (static_cast<size_t>(kk) * kCols + c) * 512, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, ac, d * 4);
+      }
+    }
+  }
+  _tile_release();
+  for (int r = 0; r < rows; ++r) {
+    const int64_t token = first_token + r / group, q_head = item.kv_head * group + r % group;
+    store_row(acc + r * d, 1.0f / l[r], out + (token * num_heads + q_head) * d, d);
+  }
+}
+#endif
+
 // HEAD: the head size when known at compile time (fixed trip counts), 0 for any.
 template <typename T, int HEAD>
 void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_cache, T* out,
@@ -293,6 +529,11 @@ void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_c
     if ((item.q_end - item.q_begin) * group <= kChunkMinRows)
       return attend_bf16_rows<HEAD>(item, query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
                                     st, num_heads, group, block_size, scale, sc);
+#if defined(KVPILOT_AMX)
+    if (amx_permitted())
+      return attend_amx<HEAD>(item, query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, st,
+                              num_heads, group, block_size, scale);
+#endif
   }
 #endif
   const int d = HEAD ? HEAD : head;
@@ -569,6 +810,15 @@ int64_t parallel_width(int64_t n) {
   return seen.load();
 }
 
+// Whether bfloat16 prefill tiles run on AMX in this process (built for it and permitted by the OS).
+bool uses_amx() {
+#if defined(KVPILOT_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -578,5 +828,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &kvpilot_cpu::rotary_, "Neox rotary embedding in place on q and k");
   m.def("silu_and_mul", &kvpilot_cpu::silu_and_mul, "silu(gate) * up");
   m.def("write_kv_cache", &kvpilot_cpu::write_kv_cache, "Store K/V rows in their cache slots");
+  m.def("uses_amx", &uses_amx, "Whether bfloat16 prefill tiles run on AMX");
   m.def("parallel_width", &parallel_width, "Threads an at::parallel_for over n items runs on");
 }

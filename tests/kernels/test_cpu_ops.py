@@ -92,6 +92,22 @@ def test_long_prefill_chunk_over_cached_context_matches_dense():
     assert_close(out, naive_attention(batch), torch.float32, "long chunk vs dense")
 
 
+@pytest.mark.parametrize("kind", ["prefill", "mixed"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("heads", ["gqa3", "gqa8", "mqa"])
+def test_bfloat16_prefill_tiles_match_torch(heads, head_size, block_size, kind):
+    """bfloat16 items with more than a few rows (prefill tiles; on AMX where the CPU has it: see
+    ``uses_amx``), every head size that is a multiple of 32, against the torch reference."""
+    num_heads, num_kv_heads = HEADS[heads]
+    batch = make_paged_batch(
+        batch_spans(kind, block_size), num_heads, num_kv_heads, head_size, block_size, torch.bfloat16,
+        device="cpu", seed=head_size + block_size,
+    )
+    out, ref = _run_both(batch)
+    assert_close(out, ref, torch.bfloat16, f"{heads} d={head_size} bs={block_size} {kind}")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_give_the_same_result(threads):
     """Work items are independent: any thread count gives bit-identical output."""
