@@ -6,12 +6,16 @@ from __future__ import annotations
 import random
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.models.synthetic import build_checkpoint
 
 from .conftest import require_cpu_kernel
 
 
-def greedy_by_backend(model, prompts: list[list[int]], prefix_caching: bool) -> dict[str, list]:
-    """Six greedy tokens per prompt on each backend; checks the pool layout each one allocates."""
+def greedy_by_backend(
+    model, prompts: list[list[int]], prefix_caching: bool, poison_cpu_pool: bool = False
+) -> dict[str, list]:
+    """Six greedy tokens per prompt on each backend; checks the pool layout each one allocates.
+    ``poison_cpu_pool``: fill the cpu backend's pool (allocated unfilled) with NaN first."""
     result = {}
     for backend in ("torch", "cpu"):
         llm = LLM(
@@ -29,6 +33,8 @@ def greedy_by_backend(model, prompts: list[list[int]], prefix_caching: bool) -> 
             cache = llm.llm_engine.runner.kv_cache
             assert cache.head_major == (backend == "cpu")
             assert cache.layers[0][0].is_contiguous() == (backend == "torch")
+            if poison_cpu_pool and backend == "cpu":
+                cache.data.fill_(float("nan"))
             outs = llm.generate(
                 [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=6)
             )
@@ -55,3 +61,47 @@ def test_shared_prefix_blocks_on_the_head_major_pool_match_torch_backend(tiny_ll
     prompts.append(prompts[-1][:20] + [11, 12, 13])  # shares whole blocks with the previous prompt
     result = greedy_by_backend(tiny_llama, prompts, prefix_caching=True)
     assert result["cpu"] == result["torch"]
+
+
+def test_cpu_backend_reads_only_the_slots_it_wrote(tiny_llama):
+    """The cpu backend's pool is not zero-filled at start-up: with NaN in every slot before the first
+    request, its greedy tokens are still the torch backend's (a slot read before it was written would
+    turn a whole row of logits into NaN)."""
+    require_cpu_kernel()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (1, 7, 8, 9, 17, 45)]
+    result = greedy_by_backend(tiny_llama, prompts, prefix_caching=False, poison_cpu_pool=True)
+    assert result["cpu"] == result["torch"]
+
+
+def test_bfloat16_paths_read_only_the_slots_they_wrote(tmp_path, tokenizer_dir):
+    """The same in bfloat16 on a checkpoint with heads of 64 and 3 query heads per KV head, which
+    takes the AVX512-BF16 decode path and the AMX prefill tiles where the CPU has them: a NaN-filled
+    pool gives the tokens of a zero-filled one."""
+    require_cpu_kernel()
+    model = build_checkpoint(
+        tmp_path / "d64", tokenizer_dir, hidden_size=192, num_attention_heads=3, num_key_value_heads=1
+    )
+    rng = random.Random(2)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (1, 9, 17, 45, 70)]
+    tokens = {}
+    for fill in (0.0, float("nan")):
+        llm = LLM(
+            str(model),
+            device="cpu",
+            dtype="bfloat16",
+            attention_backend="cpu",
+            block_size=16,
+            max_num_batched_tokens=64,
+            num_gpu_blocks_override=64,
+        )
+        try:
+            llm.llm_engine.runner.kv_cache.data.fill_(fill)
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=6)
+            )
+        finally:
+            llm.shutdown()
+        tokens[fill == 0.0] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[False] == tokens[True]
+    assert all(len(t) == 6 for t in tokens[True])
