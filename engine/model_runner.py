@@ -54,9 +54,9 @@ class KVCache:
     num_kv_heads, block_size, head_size]``, so that one KV head's rows of a block are contiguous
     (``block_size * head_size`` elements, one run the hardware prefetcher follows, instead of
     ``block_size`` short runs strided by all heads), and each layer's K and V are permuted views of the
-    usual shape. Only ops that address the caches by their strides can take it (the ``cpu`` backend's;
-    ``torch_ops.write_kv_cache`` flattens the block and token dimensions with ``view``). The swap pool
-    has the same layout, so block copies and swaps move whole blocks as before.
+    usual shape. Every backend's cache ops take such views; the ``cpu`` backend's kernels, which
+    address the caches by their strides, are the ones it speeds up. The swap pool has the same layout,
+    so block copies and swaps move whole blocks as before.
     """
 
     def __init__(

@@ -43,15 +43,18 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store each token's K/V in its slot; tokens with a negative slot (padding) are skipped."""
+    """Store each token's K/V in its slot; tokens with a negative slot (padding) are skipped. The caches
+    may be strided views (the head-major pool's): their slots are then addressed as (block, offset)."""
     num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_size)
-    v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_size)
-    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        rows = rows.to(cache.dtype)
+        if cache.is_contiguous():
+            cache.view(num_blocks * block_size, num_kv_heads, head_size).index_copy_(0, slot_mapping, rows)
+        else:
+            cache.index_put_((slot_mapping // block_size, slot_mapping % block_size), rows)
 
 
 @dataclass

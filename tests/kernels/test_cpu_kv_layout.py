@@ -102,7 +102,14 @@ def test_write_kv_cache_into_head_major_caches(dtype):
     slots[::5] = -1
     expected = [torch.randn(num_blocks, block_size, heads, d, generator=g).to(dtype) for _ in range(2)]
     actual = [head_major(t) for t in expected]
+    by_torch = [head_major(t) for t in expected]
     torch_ops.write_kv_cache(key, value, *expected, slots)
     cpu_ops.write_kv_cache(key, value, *actual, slots)
     assert not actual[0].is_contiguous()
     assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    # The torch op (also the cpu backend's fallback) takes the strided views too.
+    torch_ops.write_kv_cache(key, value, *by_torch, slots)
+    assert torch.equal(by_torch[0], expected[0]) and torch.equal(by_torch[1], expected[1])
+    fallback = [head_major(t) for t in expected]
+    cpu_ops.write_kv_cache(key.double(), value.double(), *fallback, slots)  # dtypes differ: the torch op
+    assert torch.equal(fallback[0], expected[0]) and torch.equal(fallback[1], expected[1])
