@@ -75,6 +75,19 @@ struct WorkItem {
   int64_t cost;
 };
 
+// An item's cached context (tokens before its request's query span), its first query token in the
+// flattened batch, and its rows (query tokens x the query heads of its KV head).
+struct ItemSpan {
+  int context, first_token, rows;
+};
+
+inline ItemSpan item_span(const WorkItem& item, const int32_t* query_start_loc, const int32_t* seq_lens,
+                          int group) {
+  const int q_len = query_start_loc[item.req + 1] - query_start_loc[item.req];
+  return {seq_lens[item.req] - q_len, query_start_loc[item.req] + item.q_begin,
+          (item.q_end - item.q_begin) * group};
+}
+
 struct Strides {
   int64_t q_token, q_head;
   int64_t k_block, k_token, k_head;
@@ -221,10 +234,7 @@ void attend_bf16_rows(const WorkItem& item, const c10::BFloat16* query, const c1
                       int group, int block_size, float scale, Scratch<c10::BFloat16>& sc) {
   constexpr int d = HEAD;
   constexpr int kPairs = HEAD / 32;
-  const int q_len = query_start_loc[item.req + 1] - query_start_loc[item.req];
-  const int context = seq_lens[item.req] - q_len;
-  const int first_token = query_start_loc[item.req] + item.q_begin;
-  const int rows = (item.q_end - item.q_begin) * group;
+  const auto [context, first_token, rows] = item_span(item, query_start_loc, seq_lens, group);
   float* acc = sc.acc.data();
   float* s = sc.s.data();
   float* m = sc.m.data();
@@ -383,10 +393,7 @@ void attend_amx(const WorkItem& item, const c10::BFloat16* query, const c10::BFl
   constexpr int kSlabs = HEAD / 32;  // 32-dimension slabs of a key (QK) ...
   constexpr int kCols = HEAD / 16;   // ... and 16-dimension column tiles of V (PV)
   thread_local AmxScratch sc;
-  const int q_len = query_start_loc[item.req + 1] - query_start_loc[item.req];
-  const int context = seq_lens[item.req] - q_len;
-  const int first_token = query_start_loc[item.req] + item.q_begin;
-  const int rows = (item.q_end - item.q_begin) * group;
+  const auto [context, first_token, rows] = item_span(item, query_start_loc, seq_lens, group);
   const int padded_rows = round_up_16(rows);
   const int chunk_blocks = blocks_per_chunk(block_size);
   const int chunk = chunk_blocks * block_size;
@@ -549,10 +556,7 @@ void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_c
   }
 #endif
   const int d = HEAD ? HEAD : head;
-  const int q_len = query_start_loc[item.req + 1] - query_start_loc[item.req];
-  const int context = seq_lens[item.req] - q_len;
-  const int first_token = query_start_loc[item.req] + item.q_begin;
-  const int rows = (item.q_end - item.q_begin) * group;
+  const auto [context, first_token, rows] = item_span(item, query_start_loc, seq_lens, group);
   float* q = sc.q.data();
   float* acc = sc.acc.data();
   float* kf = sc.k.data();
