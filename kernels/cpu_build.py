@@ -139,8 +139,11 @@ def _load(openmp: bool) -> ModuleType:
     try:
         return _build(name, directory, openmp)
     except Exception:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / _FAILED).write_text("the build with these flags failed\n")
+        # Remembered for the OpenMP build only, which has a fallback: a start then goes straight to
+        # it. The last resort is tried again on every start (a compiler may have been installed).
+        if openmp:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / _FAILED).write_text("the build with these flags failed\n")
         raise
 
 

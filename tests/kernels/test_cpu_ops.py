@@ -248,3 +248,26 @@ def test_a_failed_openmp_build_falls_back_once(tmp_path, monkeypatch, caplog):
         assert calls == [True, False, False]
     finally:
         cpu_build.load_extension.cache_clear()
+
+
+def test_without_any_build_the_torch_path_is_used_and_retried_later(tmp_path, monkeypatch, caplog):
+    """No build works (no compiler): the kernel is unavailable (one warning), and the next process
+    tries the plain build again (a compiler may have been installed), not the remembered OpenMP one."""
+    calls = []
+
+    def failing_build(name, directory, openmp):
+        calls.append(openmp)
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setenv("KVPILOT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_build", failing_build)
+    cpu_build.load_extension.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kvpilot.kernels"):
+            assert cpu_build.load_extension() is None
+        assert "using the torch path" in caplog.text and "g++: not found" in caplog.text
+        cpu_build.load_extension.cache_clear()
+        assert cpu_build.load_extension() is None
+        assert calls == [True, False, False]
+    finally:
+        cpu_build.load_extension.cache_clear()
