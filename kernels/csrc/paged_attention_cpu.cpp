@@ -241,12 +241,11 @@ void attend_bf16_rows(const WorkItem& item, const c10::BFloat16* query, const c1
   float* s = sc.s.data();
   float* m = sc.m.data();
   float* l = sc.l.data();
-  // The query rows as bfloat16 pairs, copied into the (fp32-sized, so large enough) query scratch.
-  uint16_t* qb = reinterpret_cast<uint16_t*>(sc.q.data());
+  __m512bh q[kChunkMinRows][kPairs];
   for (int r = 0; r < rows; ++r) {
     const int64_t token = first_token + r / group, q_head = item.kv_head * group + r % group;
     const uint16_t* src = reinterpret_cast<const uint16_t*>(query + token * st.q_token + q_head * st.q_head);
-    std::copy(src, src + d, qb + r * d);
+    for (int j = 0; j < kPairs; ++j) q[r][j] = as_bf16_pairs(_mm512_loadu_si512(src + 32 * j));
     std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.0f;
@@ -281,10 +280,8 @@ void attend_bf16_rows(const WorkItem& item, const c10::BFloat16* query, const c1
       }
       max_visible = std::max(max_visible, visible);
       float block_max = -std::numeric_limits<float>::infinity();
-      __m512bh qr[kPairs];
-      for (int j = 0; j < kPairs; ++j) qr[j] = as_bf16_pairs(_mm512_loadu_si512(qb + r * d + 32 * j));
       for (int c = 0; c < visible; c += 16) {
-        const __m512 dots = scores_16_bf16<HEAD>(qr, kb + c * st.k_token, st.k_token, visible - c);
+        const __m512 dots = scores_16_bf16<HEAD>(q[r], kb + c * st.k_token, st.k_token, visible - c);
         const __m512 sc16 =
             _mm512_mask_blend_ps(first_lanes(visible - c), minus_inf, _mm512_mul_ps(dots, scale16));
         block_max = std::max(block_max, _mm512_reduce_max_ps(sc16));
