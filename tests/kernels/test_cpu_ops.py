@@ -221,7 +221,17 @@ def test_build_is_cached_across_processes(tmp_path):
     assert proc.stdout.strip() == "True", proc.stderr[-3000:]
 
 
-def test_a_failed_openmp_build_falls_back_once(tmp_path, monkeypatch, caplog):
+@pytest.fixture
+def fresh_loader(tmp_path, monkeypatch):
+    """``load_extension`` with an empty kernel cache (``tmp_path``) and nothing loaded yet; the real
+    cache is back afterwards."""
+    monkeypatch.setenv("KVPILOT_KERNEL_CACHE", str(tmp_path))
+    cpu_build.load_extension.cache_clear()
+    yield tmp_path
+    cpu_build.load_extension.cache_clear()
+
+
+def test_a_failed_openmp_build_falls_back_once(fresh_loader, monkeypatch, caplog):
     """Where the OpenMP build fails, the kernels are built without it (one thread, one warning), and
     the failure is remembered: later loads do not compile the failing build again."""
     calls = []
@@ -234,23 +244,18 @@ def test_a_failed_openmp_build_falls_back_once(tmp_path, monkeypatch, caplog):
         directory.mkdir(parents=True, exist_ok=True)
         return sentinel
 
-    monkeypatch.setenv("KVPILOT_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_build, "_build", fake_build)
-    cpu_build.load_extension.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="kvpilot.kernels"):
-            assert cpu_build.load_extension() is sentinel
-        assert calls == [True, False]
-        assert "without OpenMP" in caplog.text and "cannot find -lgomp" in caplog.text
-        assert (tmp_path / f"kvpilot_cpu_attention_{cpu_build.build_key(True)}" / "failed").exists()
-        cpu_build.load_extension.cache_clear()
+    with caplog.at_level("WARNING", logger="kvpilot.kernels"):
         assert cpu_build.load_extension() is sentinel
-        assert calls == [True, False, False]
-    finally:
-        cpu_build.load_extension.cache_clear()
+    assert calls == [True, False]
+    assert "without OpenMP" in caplog.text and "cannot find -lgomp" in caplog.text
+    assert (fresh_loader / f"kvpilot_cpu_attention_{cpu_build.build_key(True)}" / "failed").exists()
+    cpu_build.load_extension.cache_clear()
+    assert cpu_build.load_extension() is sentinel
+    assert calls == [True, False, False]
 
 
-def test_without_any_build_the_torch_path_is_used_and_retried_later(tmp_path, monkeypatch, caplog):
+def test_without_any_build_the_torch_path_is_used_and_retried_later(fresh_loader, monkeypatch, caplog):
     """No build works (no compiler): the kernel is unavailable (one warning), and the next process
     tries the plain build again (a compiler may have been installed), not the remembered OpenMP one."""
     calls = []
@@ -259,15 +264,10 @@ def test_without_any_build_the_torch_path_is_used_and_retried_later(tmp_path, mo
         calls.append(openmp)
         raise RuntimeError("g++: not found")
 
-    monkeypatch.setenv("KVPILOT_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_build, "_build", failing_build)
-    cpu_build.load_extension.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="kvpilot.kernels"):
-            assert cpu_build.load_extension() is None
-        assert "using the torch path" in caplog.text and "g++: not found" in caplog.text
-        cpu_build.load_extension.cache_clear()
+    with caplog.at_level("WARNING", logger="kvpilot.kernels"):
         assert cpu_build.load_extension() is None
-        assert calls == [True, False, False]
-    finally:
-        cpu_build.load_extension.cache_clear()
+    assert "using the torch path" in caplog.text and "g++: not found" in caplog.text
+    cpu_build.load_extension.cache_clear()
+    assert cpu_build.load_extension() is None
+    assert calls == [True, False, False]

@@ -11,37 +11,46 @@ from kvpilot.engine.models.synthetic import build_checkpoint
 from .conftest import require_cpu_kernel
 
 
+def greedy_tokens(
+    model, prompts: list[list[int]], backend: str, pool_fill: float | None = None, **engine_args
+) -> list[list[int]]:
+    """Six greedy tokens per prompt from an engine on ``backend``; checks the pool layout it allocates.
+    ``pool_fill``: a value written to every slot of the KV pool before the first request."""
+    args = dict(dtype="float32", block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=64)
+    llm = LLM(str(model), device="cpu", attention_backend=backend, **{**args, **engine_args})
+    try:
+        assert llm.llm_engine.backend.name == backend
+        cache = llm.llm_engine.runner.kv_cache
+        assert cache.head_major == (backend == "cpu")
+        if cache.layers[0][0].shape[2] > 1:  # with one KV head the head-major view is contiguous too
+            assert cache.layers[0][0].is_contiguous() == (backend == "torch")
+        if pool_fill is not None:
+            cache.data.fill_(pool_fill)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=6)
+        )
+    finally:
+        llm.shutdown()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert all(len(t) == 6 for t in tokens)
+    return tokens
+
+
 def greedy_by_backend(
     model, prompts: list[list[int]], prefix_caching: bool, poison_cpu_pool: bool = False
 ) -> dict[str, list]:
-    """Six greedy tokens per prompt on each backend; checks the pool layout each one allocates.
-    ``poison_cpu_pool``: fill the cpu backend's pool (allocated unfilled) with NaN first."""
-    result = {}
-    for backend in ("torch", "cpu"):
-        llm = LLM(
-            str(model),
-            device="cpu",
-            dtype="float32",
-            attention_backend=backend,
-            block_size=8,
-            max_num_batched_tokens=32,
-            num_gpu_blocks_override=64,
+    """``greedy_tokens`` on the torch and the cpu backend. ``poison_cpu_pool``: fill the cpu backend's
+    pool (allocated unfilled) with NaN first."""
+    return {
+        backend: greedy_tokens(
+            model,
+            prompts,
+            backend,
+            pool_fill=float("nan") if poison_cpu_pool and backend == "cpu" else None,
             enable_prefix_caching=prefix_caching,
         )
-        try:
-            assert llm.llm_engine.backend.name == backend
-            cache = llm.llm_engine.runner.kv_cache
-            assert cache.head_major == (backend == "cpu")
-            assert cache.layers[0][0].is_contiguous() == (backend == "torch")
-            if poison_cpu_pool and backend == "cpu":
-                cache.data.fill_(float("nan"))
-            outs = llm.generate(
-                [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=6)
-            )
-        finally:
-            llm.shutdown()
-        result[backend] = [o.outputs[0].token_ids for o in outs]
-    return result
+        for backend in ("torch", "cpu")
+    }
 
 
 def test_engine_greedy_tokens_match_torch_backend(tiny_llama):
@@ -84,24 +93,6 @@ def test_bfloat16_paths_read_only_the_slots_they_wrote(tmp_path, tokenizer_dir):
     )
     rng = random.Random(2)
     prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (1, 9, 17, 45, 70)]
-    tokens = {}
-    for fill in (0.0, float("nan")):
-        llm = LLM(
-            str(model),
-            device="cpu",
-            dtype="bfloat16",
-            attention_backend="cpu",
-            block_size=16,
-            max_num_batched_tokens=64,
-            num_gpu_blocks_override=64,
-        )
-        try:
-            llm.llm_engine.runner.kv_cache.data.fill_(fill)
-            outs = llm.generate(
-                [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=6)
-            )
-        finally:
-            llm.shutdown()
-        tokens[fill == 0.0] = [o.outputs[0].token_ids for o in outs]
-    assert tokens[False] == tokens[True]
-    assert all(len(t) == 6 for t in tokens[True])
+    args = dict(dtype="bfloat16", block_size=16, max_num_batched_tokens=64)
+    clean = greedy_tokens(model, prompts, "cpu", pool_fill=0.0, **args)
+    assert greedy_tokens(model, prompts, "cpu", pool_fill=float("nan"), **args) == clean
