@@ -38,6 +38,8 @@ OPENMP_FLAGS = ("-fopenmp",)
 def _cflags(openmp: bool) -> list[str]:
     # A fresh list each time: torch's cpp_extension appends to the lists it is handed.
     return [*CFLAGS, *(OPENMP_FLAGS if openmp else ())]
+
+
 _MARKER = "complete"
 _FAILED = "failed"
 

@@ -24,13 +24,22 @@ from kvpilot.engine.server.serving import ServerState, choice, usage
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# Characters that many line readers (Python's ``str.splitlines``, hence httpx's ``iter_lines``) take
+# as line breaks although SSE does not. JSON escapes the other ones (control characters) itself; these
+# three it leaves raw with ``ensure_ascii=False``. They can only stand inside JSON strings, where the
+# ``\uXXXX`` escape means the same text.
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_event(payload: dict[str, Any] | str) -> str:
-    """One ``data:`` event: ``payload`` as compact JSON (a string is sent as it is)."""
-    data = (
-        payload
-        if isinstance(payload, str)
-        else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    )
+    """One ``data:`` event: ``payload`` as compact JSON (a string is sent as it is), on one line for
+    every line reader: generated text holding U+0085, U+2028 or U+2029 is sent escaped."""
+    if isinstance(payload, str):
+        data = payload
+    else:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        if not data.isascii():
+            data = data.translate(_UNICODE_LINE_BREAKS)
     return f"data: {data}\n\n"
 
 

@@ -101,8 +101,14 @@ def test_bfloat16_prefill_tiles_match_torch(heads, head_size, block_size, kind):
     ``uses_amx``), every head size that is a multiple of 32, against the torch reference."""
     num_heads, num_kv_heads = HEADS[heads]
     batch = make_paged_batch(
-        batch_spans(kind, block_size), num_heads, num_kv_heads, head_size, block_size, torch.bfloat16,
-        device="cpu", seed=head_size + block_size,
+        batch_spans(kind, block_size),
+        num_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        torch.bfloat16,
+        device="cpu",
+        seed=head_size + block_size,
     )
     out, ref = _run_both(batch)
     assert_close(out, ref, torch.bfloat16, f"{heads} d={head_size} bs={block_size} {kind}")

@@ -99,8 +99,9 @@ class Traffic:
     alternating plain and streamed ones, each asking for ``max_tokens`` with ``ignore_eos``.
 
     Every answer is counted in ``by_kind``: ``completed`` (200 and all tokens), ``refused`` (another
-    status or no connection), ``cut_short`` (200 but fewer tokens, or a stream that ended without
-    ``[DONE]``); ``refused`` and ``cut_short`` keep the first 20 reasons.
+    status or no connection), ``cut_short`` (200 but fewer tokens, a stream that ended without
+    ``[DONE]``, or one with an event that is not JSON); ``refused`` and ``cut_short`` keep the first
+    20 reasons.
     """
 
     def __init__(self, url: str, workers: int = 3, max_tokens: int = 24) -> None:
@@ -153,7 +154,10 @@ class Traffic:
             if response.status_code != 200:
                 return "refused", f"{response.status_code}: {response.read()[:200]!r}"
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        try:
+            chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        except json.JSONDecodeError as exc:  # an event broken off, or split by a line break in its text
+            return "cut_short", f"an event that is not JSON: {exc}"
         reasons = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
         if events[-1:] != ["[DONE]"] or "length" not in reasons:
             return "cut_short", f"stream ended after {len(chunks)} chunks without [DONE]"
