@@ -172,6 +172,8 @@ class Autotuner:
         # Parsing is pure Python: off the event loop, so watches and handlers keep running meanwhile.
         await asyncio.to_thread(self._ingest, results, services, tick)
         now = self.clock()
+        if self.recorder is not None:
+            await asyncio.to_thread(self._record, results, services, tick, now)
         for service in services:
             try:
                 await self._evaluate(service, now, logger)
@@ -181,28 +183,32 @@ class Autotuner:
         self.metrics.observe_tick(time.monotonic() - started, self.clock())
 
     def _ingest(self, results: list, services: list[_Service], tick: float) -> None:
-        """Feed the scrapes into the per-pod series and the recording (runs in a worker thread; the
-        series are touched by nothing else while a tick runs)."""
+        """Feed the scrapes into the per-pod series (runs in a worker thread; the series are touched by
+        nothing else while a tick runs)."""
         owner_of = {t.key: service.settings for service in services for t in service.pods.targets}
         for result in results:
             settings = owner_of[result.target.key]
             retention = settings.remediation.window_s + 2 * self.stale_after_s
             series = self.series.setdefault(result.target.key, PodSeries(result.target.name, retention))
             series.retention_s = retention
-            if self.recorder is not None:
-                self.recorder.write(result, tick, settings.isvc)
             series.ingest(result.time, result.text, result.error)
             meta = settings.meta
             kind = result.kind or (result.error and "connection") or (series.problem and "invalid")
             self.metrics.observe_scrape(meta["namespace"], meta["name"], kind or None)
-        if self.recorder is not None:
-            for service in services:
-                isvc = service.settings.isvc
-                for pod in service.pods.waiting:
-                    self.recorder.write_not_ready(pod, tick, isvc)
-                for failure in service.pods.failing:
-                    if not failure.ready:
-                        self.recorder.write_not_ready(failure.pod, tick, isvc, failure.why)
+
+    def _record(self, results: list, services: list[_Service], tick: float, now: float) -> None:
+        """Append the tick to the recording, with ``now``, the time the policy judges it at (a worker
+        thread: the lines are as large as the scrapes)."""
+        owner_of = {t.key: service.settings for service in services for t in service.pods.targets}
+        for result in results:
+            self.recorder.write(result, tick, owner_of[result.target.key].isvc, now)
+        for service in services:
+            isvc = service.settings.isvc
+            for pod in service.pods.waiting:
+                self.recorder.write_not_ready(pod, tick, isvc, evaluated=now)
+            for failure in service.pods.failing:
+                if not failure.ready:
+                    self.recorder.write_not_ready(failure.pod, tick, isvc, failure.why, now)
 
     async def _evaluate(self, service: _Service, now: float, logger: Any) -> None:
         listed = service.settings

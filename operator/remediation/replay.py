@@ -12,7 +12,9 @@ Samples are JSON Lines, one scrape per line (``kvpilot operator --record FILE`` 
 ``metrics`` may also hold parsed samples (``{"name": value}`` or a list of ``{"name", "labels",
 "value"}``); ``"metrics": null`` with ``"error"`` is a failed scrape. Optional keys: ``tick`` (lines of
 one scrape round share it; the policy evaluates once per tick, else once per distinct ``time``),
-``namespace`` and ``inferenceService`` (lines of other InferenceServices are skipped).
+``evaluated`` (when the operator judged that tick: the replay judges it then too, so that a window is
+exactly as full as it was; without it, at the tick's latest scrape), ``namespace`` and
+``inferenceService`` (lines of other InferenceServices are skipped).
 
 A replay knows no pod list: the pods are those the file names. In a file where every line has a
 ``tick`` (as the operator records: each tick lists every pod of the current configuration, failed
@@ -57,6 +59,7 @@ class Record:
     metrics: Any = None
     error: str | None = None
     has_tick: bool = False
+    evaluated: float | None = None
 
 
 def read_records(lines: Iterable[str], isvc: dict[str, Any] | None = None) -> list[Record]:
@@ -89,6 +92,7 @@ def read_records(lines: Iterable[str], isvc: dict[str, Any] | None = None) -> li
                     metrics=metrics,
                     error=None if error is None else str(error),
                     has_tick="tick" in item,
+                    evaluated=None if item.get("evaluated") is None else float(item["evaluated"]),
                 )
             )
         except (ValueError, KeyError, TypeError) as exc:
@@ -147,7 +151,7 @@ def replay(
             record = records[index]
             index += 1
             in_tick.add(record.pod)
-            now = max(now, record.time)
+            now = max(now, record.time if record.evaluated is None else record.evaluated)
             seen[record.pod], ready[record.pod] = record.time, record.ready
             pod = series.setdefault(record.pod, PodSeries(record.pod, retention))
             if record.ready:

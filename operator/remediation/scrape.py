@@ -121,15 +121,25 @@ class Recorder:
         self.path = path
         self._file: IO[str] = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed in close())
 
-    def write(self, result: Result, tick: float, isvc: dict[str, Any]) -> None:
-        """One line for one scrape of an engine pod of ``isvc``."""
-        self._line(tick, result.time, isvc, result.target.name, True, result.text, result.error)
+    def write(
+        self, result: Result, tick: float, isvc: dict[str, Any], evaluated: float | None = None
+    ) -> None:
+        """One line for one scrape of an engine pod of ``isvc``; ``evaluated``: when the policy judged
+        the tick (a replay judges it at the same time, so a window is as full as it was then)."""
+        self._line(tick, result.time, isvc, result.target.name, True, result.text, result.error, evaluated)
 
-    def write_not_ready(self, pod: str, tick: float, isvc: dict[str, Any], why: str | None = None) -> None:
+    def write_not_ready(
+        self,
+        pod: str,
+        tick: float,
+        isvc: dict[str, Any],
+        why: str | None = None,
+        evaluated: float | None = None,
+    ) -> None:
         """One line for an engine pod of the current configuration that is not ready (not scraped)."""
-        self._line(tick, tick, isvc, pod, False, None, why)
+        self._line(tick, tick, isvc, pod, False, None, why, evaluated)
 
-    def _line(self, tick, time_, isvc, pod, ready, text, error) -> None:
+    def _line(self, tick, time_, isvc, pod, ready, text, error, evaluated) -> None:
         line: dict[str, Any] = {
             "time": round(time_, 3),
             "tick": round(tick, 3),
@@ -139,6 +149,8 @@ class Recorder:
             "ready": ready,
             "metrics": text,
         }
+        if evaluated is not None:
+            line["evaluated"] = round(evaluated, 3)
         if error is not None:
             line["error"] = error
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")

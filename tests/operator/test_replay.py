@@ -179,6 +179,34 @@ def test_the_operators_recording_replays(tmp_path):
     assert parse_time("2025-01-02T03:04:05.250Z") == pytest.approx(1735787045.25)
 
 
+def test_a_replay_judges_each_tick_when_the_operator_did(tmp_path):
+    """The operator judges a tick after its scrapes are in, and a window is full once its first scrape
+    lies at or before ``now - window``. A tick whose last scrape came 1 ms sooner after the first than
+    the window is long was judged full by the operator a few ms later: the replay, reading the
+    ``evaluated`` time of the recording, acts on the same tick."""
+    path = tmp_path / "rec.jsonl"
+    recorder = Recorder(str(path))
+    engine = EngineMetrics()
+    isvc = copy.deepcopy(ISVC)
+    isvc["spec"]["replicas"] = 1
+    target = Target("llm", "llama-0", "uid-0", "http://10.0.0.1:8000/metrics")
+    window_s, steps = 120.0, 9  # 8 intervals of 15 s fill the window
+    for step in range(steps):
+        engine.preempt(30).set(kv=0.97, waiting=1, running=40)
+        tick = T0 + step * INTERVAL
+        scraped = tick + (0.2 if step == 0 else 0.199)  # the last scrape: 119.999 s after the first
+        recorder.write(Result(target, scraped, text=engine.text()), tick, isvc, evaluated=tick + 0.25)
+    recorder.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(line["evaluated"] == pytest.approx(line["tick"] + 0.25) for line in lines)
+    assert lines[-1]["time"] - lines[0]["time"] < window_s
+    decisions = [d for _, d, _ in replay(isvc, read_records(path.read_text().splitlines(), isvc))]
+    assert [d.action for d in decisions].index("apply") == 8, [d.reason for d in decisions]
+    # The same scrapes without the judging time: judged at the last scrape, the window is 1 ms short.
+    bare = [json.dumps({k: v for k, v in line.items() if k != "evaluated"}) for line in lines]
+    assert "apply" not in [d.action for _, d, _ in replay(isvc, read_records(bare, isvc))]
+
+
 def test_operator_refuses_a_recording_it_cannot_write(tmp_path, capsys):
     path = tmp_path / "missing-dir" / "scrapes.jsonl"
     assert main(["operator", "-n", "llm", "--record", str(path)]) == 2
