@@ -31,15 +31,12 @@ SSE_DONE = "data: [DONE]\n\n"
 _UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def sse_event(payload: dict[str, Any] | str) -> str:
-    """One ``data:`` event: ``payload`` as compact JSON (a string is sent as it is), on one line for
-    every line reader: generated text holding U+0085, U+2028 or U+2029 is sent escaped."""
-    if isinstance(payload, str):
-        data = payload
-    else:
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        if not data.isascii():
-            data = data.translate(_UNICODE_LINE_BREAKS)
+def sse_event(payload: dict[str, Any]) -> str:
+    """One ``data:`` event: ``payload`` as compact JSON, on one line for every line reader: generated
+    text holding U+0085, U+2028 or U+2029 is sent escaped."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    if not data.isascii():
+        data = data.translate(_UNICODE_LINE_BREAKS)
     return f"data: {data}\n\n"
 
 

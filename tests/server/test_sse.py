@@ -29,7 +29,3 @@ def test_other_text_goes_out_raw_as_utf8():
     event = sse_event({"text": "café ☕ 日本\u2028"})
     assert "café ☕ 日本" in event
     assert "\\u2028" in event and "\u2028" not in event
-
-
-def test_a_string_payload_is_sent_as_it_is():
-    assert sse_event("[DONE]") == "data: [DONE]\n\n"
