@@ -170,10 +170,11 @@ class Autotuner:
         for key in [k for k in self.series if k not in live_keys]:
             del self.series[key]  # the pod is gone
         # Parsing is pure Python: off the event loop, so watches and handlers keep running meanwhile.
-        await asyncio.to_thread(self._ingest, results, services, tick)
+        owner_of = {t.key: service.settings for service in services for t in service.pods.targets}
+        await asyncio.to_thread(self._ingest, results, owner_of)
         now = self.clock()
         if self.recorder is not None:
-            await asyncio.to_thread(self._record, results, services, tick, now)
+            await asyncio.to_thread(self._record, results, owner_of, services, tick, now)
         for service in services:
             try:
                 await self._evaluate(service, now, logger)
@@ -182,10 +183,10 @@ class Autotuner:
                 logger.warning(f"remediation of {meta['namespace']}/{meta['name']} failed: {exc}")
         self.metrics.observe_tick(time.monotonic() - started, self.clock())
 
-    def _ingest(self, results: list, services: list[_Service], tick: float) -> None:
-        """Feed the scrapes into the per-pod series (runs in a worker thread; the series are touched by
-        nothing else while a tick runs)."""
-        owner_of = {t.key: service.settings for service in services for t in service.pods.targets}
+    def _ingest(self, results: list, owner_of: dict) -> None:
+        """Feed the scrapes into the per-pod series; ``owner_of``: the settings of each target's
+        InferenceService (runs in a worker thread; the series are touched by nothing else while a tick
+        runs)."""
         for result in results:
             settings = owner_of[result.target.key]
             retention = settings.remediation.window_s + 2 * self.stale_after_s
@@ -196,10 +197,11 @@ class Autotuner:
             kind = result.kind or (result.error and "connection") or (series.problem and "invalid")
             self.metrics.observe_scrape(meta["namespace"], meta["name"], kind or None)
 
-    def _record(self, results: list, services: list[_Service], tick: float, now: float) -> None:
+    def _record(
+        self, results: list, owner_of: dict, services: list[_Service], tick: float, now: float
+    ) -> None:
         """Append the tick to the recording, with ``now``, the time the policy judges it at (a worker
         thread: the lines are as large as the scrapes)."""
-        owner_of = {t.key: service.settings for service in services for t in service.pods.targets}
         for result in results:
             self.recorder.write(result, tick, owner_of[result.target.key].isvc, now)
         for service in services:
