@@ -173,20 +173,29 @@ class Sampler:
 
     @staticmethod
     def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Top-k, then top-p, on each row's sorted logits, in ascending order as transformers' and vLLM's
+        filters do. The mass is summed from the least likely token up, and a token is dropped when the
+        mass up to and including it is at most ``1 - top_p``: the same set as "the smallest prefix of the
+        most likely tokens whose mass reaches top_p", but the tail's small terms are summed first, so
+        float32 rounding never reaches the threshold early. A row whose ``top_p`` is 1 is not filtered
+        by top-p at all (a float32 running sum can reach 1.0 before its last token, and the row beside
+        it in a batch must not change that)."""
         vocab = x.shape[1]
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_ps = [p.top_p for p in params]
         if all(k == vocab for k in top_ks) and all(p >= 1.0 for p in top_ps):
             return x
-        sorted_x, order = x.sort(dim=-1, descending=True)
+        sorted_x, order = x.sort(dim=-1, descending=False)
         ks = torch.tensor(top_ks, device=x.device)
         ranks = torch.arange(vocab, device=x.device)[None, :]
-        drop = ranks >= ks[:, None]
-        ps = torch.tensor(top_ps, device=x.device, dtype=torch.float32)
-        if bool((ps < 1.0).any()):
+        drop = ranks < (vocab - ks)[:, None]
+        filtered = torch.tensor([p < 1.0 for p in top_ps], device=x.device)
+        if bool(filtered.any()):
+            # 1 - top_p in double, then float32: the threshold transformers compares with.
+            rest = torch.tensor([1.0 - p for p in top_ps], device=x.device, dtype=torch.float32)
             probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-            mass_before = probs.cumsum(dim=-1) - probs
-            drop |= mass_before >= ps[:, None]
+            below = probs.cumsum(dim=-1) <= rest[:, None]
+            below[:, -1] = False  # the most likely token always stays
+            drop |= below & filtered[:, None]
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)

@@ -38,10 +38,13 @@ NUM_ROWS = 6
 HISTORY = 40  # tokens of prompt + output per row; the vocabulary is small enough for repeats
 
 
-def _logits(seed: int = 0) -> torch.Tensor:
-    """[NUM_ROWS, VOCAB] float32 logits with a realistic spread (a few dominant tokens, a long tail)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(NUM_ROWS, VOCAB, generator=g) * 2.0
+def _logits(seed: int = 0, rows: int = NUM_ROWS, scale: float = 2.0) -> torch.Tensor:
+    """[rows, VOCAB] float32 logits with a realistic spread (a few dominant tokens, a long tail).
+
+    Drawn by Python's ``random``, not ``torch.randn``: torch's normal sampler takes a vectorised path
+    chosen by the CPU's ISA, and the same inputs on every machine keep a failure reproducible anywhere."""
+    rng = random.Random(seed)
+    return torch.tensor([[rng.gauss(0.0, scale) for _ in range(VOCAB)] for _ in range(rows)])
 
 
 def _histories(seed: int = 0) -> torch.Tensor:
@@ -130,6 +133,23 @@ def test_a_batch_of_different_settings_matches_each_row_alone():
     for i, name in enumerate(names):
         ref = _hf(logits[i : i + 1], histories[i : i + 1], CASES[name][1])
         _assert_same_distribution(ours[i : i + 1], ref)
+
+
+def test_a_row_without_top_p_keeps_every_token_beside_a_row_with_it():
+    """A batch where one row filters by top-p and the others do not (top_p 1): those keep all the
+    vocabulary, exactly softmax(logits). With a widely spread row, a float32 running sum of the
+    descending probabilities reaches 1.0 before the last tokens (about 60 % of these rows on every ISA
+    tried), so a filter that cuts where "the mass before a token reaches top_p" with top_p = 1 drops the
+    tail of exactly these rows."""
+    rows = 32
+    logits = _logits(seed=5, rows=rows, scale=3.0)
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] + [SamplingParams(temperature=1.0)] * (rows - 1)
+    ours = _ours(logits, _rows(params, _histories(seed=5).repeat(rows // NUM_ROWS + 1, 1)[:rows]))
+    assert int((ours[1:] > 0).sum()) == (rows - 1) * VOCAB
+    torch.testing.assert_close(ours[1:], torch.softmax(logits[1:], dim=-1), atol=PROBS_ATOL, rtol=0)
+    ref = _hf(logits[:1], _histories(seed=5)[:1], [TopPLogitsWarper(0.9)])
+    _assert_same_distribution(ours[:1], ref)
+    assert 1 < int((ours[0] > 0).sum()) < VOCAB // 2
 
 
 def test_repetition_penalty_logits_equal_transformers():
