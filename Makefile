@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint venv clean
+.PHONY: test test-isa test-under-load lint venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,20 @@ $(STAMP): pyproject.toml
 # skipping) when absent. vLLM runs from its own virtual environment (mk/vllm.mk).
 test: $(STAMP) test-operator-prereqs vllm-venv
 	KVPILOT_REQUIRE_TOOLS=1 KVPILOT_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q tests
+
+# The kernel, sampler and engine-parity tests again on the code paths of an AVX2 CPU without AVX-512:
+# torch's kernels at its avx2 dispatch level, oneDNN capped at AVX2, and the C++ kernels built for
+# x86-64-v3 (AVX2 + FMA). On an AVX2 machine it repeats what `make test` ran; on an AVX-512 one it
+# shows what an AVX2 machine would run.
+ISA_TESTS ?= tests/kernels tests/engine/test_sampling_vs_hf.py tests/engine/test_llm_vs_hf.py \
+	tests/engine/test_swap_vs_hf.py tests/engine/test_parallel_vs_hf.py
+test-isa: $(STAMP)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 KVPILOT_CPU_MARCH=x86-64-v3 \
+		KVPILOT_REQUIRE_TOOLS=1 $(PY) -m pytest -q $(ISA_TESTS)
+
+# The whole suite while another process keeps one core busy.
+test-under-load:
+	bash mk/under-load.sh test
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

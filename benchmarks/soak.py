@@ -9,8 +9,10 @@ After the load: wait for every KV block to be free, then read the engine's metri
 Reported per mode: requests sent, completed, refused (429/503 with Retry-After), rejected (the 4xx a
 hostile request must get), aborted (the client left), 5xx and other failures; the engine's RSS at
 start, after warm-up, at its peak and at the end; KV blocks in use after the drain and how long freeing
-them took; preemptions; the probe's p50/p99 latency. Pass (:func:`check`): no 5xx and no other failure,
-every block free within 5 s of the end, and the RSS at the end within ``--rss-margin-mib`` MiB (or 10 %,
+them took; preemptions; the probe's p50/p99 latency; the server's finished and aborted sequences beside
+the clients' completed and left ones. Pass (:func:`check`): no 5xx and no other failure, the server's
+sequence counts within the clients' bounds (:func:`sequence_accounting`), every block free within 5 s
+of the end, and the RSS at the end within ``--rss-margin-mib`` MiB (or 10 %,
 whichever is larger) of the RSS after warm-up. The engine runs in float32 by default (``--dtype``):
 on CPU, torch's bfloat16 kernels keep memory per distinct batch shape (flat once the shapes repeat,
 however many requests follow), which this check would mistake for growth per request.
@@ -167,11 +169,12 @@ def run_load(cfg: SoakConfig, engine: Engine, duration_s: float, seed: int) -> d
         probe = asyncio.run(_probe_and_sample(cfg, engine, pending))
         results = pending.get(timeout=duration_s + 300)
     counts = {k: sum(r["counts"].get(k, 0) for r in results) for k in OUTCOMES}
+    seqs = {k: sum(r["seqs"].get(k, 0) for r in results) for k in ("completed", "left", "left_finished")}
     examples: dict[str, list[str]] = {}
     for r in results:
         for k, v in r["examples"].items():
             examples.setdefault(k, []).extend(v)
-    return {"counts": counts, "examples": examples, **probe}
+    return {"counts": counts, "examples": examples, "seqs": seqs, **probe}
 
 
 async def _probe_and_sample(cfg: SoakConfig, engine: Engine, pending) -> dict[str, Any]:
@@ -228,13 +231,23 @@ def run_mode(cfg: SoakConfig) -> dict[str, Any]:
         exit_code = engine.stop()
     lat = load.pop("probe_latencies_s")
     counts = load["counts"]
+    seqs = load["seqs"]
+    finished = {
+        k: after[k] - before.get(k, 0)
+        for k in after
+        if k.startswith("success:") and after[k] > before.get(k, 0)
+    }
     result = {
         "preemption_mode": cfg.preemption_mode,
         "duration_s": round(elapsed, 1),
         "sent": sum(counts.values()),
         **counts,
         "examples": load["examples"],
-        "server_aborts": after.get("success:abort", 0) - before.get("success:abort", 0),
+        "server_aborts": finished.get("success:abort", 0),
+        "server_finished": sum(finished.values()),
+        "completed_seqs": seqs["completed"],
+        "left_seqs": seqs["left"],
+        "left_finished_seqs": seqs["left_finished"],
         "preemptions": after.get("vllm:num_preemptions_total", 0)
         - before.get("vllm:num_preemptions_total", 0),
         "kv_blocks_in_use_after": round(
@@ -259,6 +272,37 @@ def run_mode(cfg: SoakConfig) -> dict[str, Any]:
     return result
 
 
+def sequence_accounting(r: dict[str, Any]) -> list[str]:
+    """The server's finished sequences (``vllm:request_success_total`` over the load, every reason)
+    against what the clients know. A request a client left may have been aborted, finished before the
+    disconnect reached the server, or (a whole request that timed out in transit) never admitted, so
+    the left ones give bounds, not an equality:
+
+    * every completed sequence (the clients' and the probes') finished other than by abort;
+    * the server finished no sequence that nobody sent: at most completed + left;
+    * it aborted only what clients left, and not the streams whose every choice had finished before
+      the client left them: at most ``left_seqs - left_finished_seqs``.
+    """
+    out = []
+    completed = r["completed_seqs"] + r["probe_ok"]
+    if r["server_finished"] - r["server_aborts"] < completed:
+        out.append(
+            f"{completed} sequences completed, the server finished {r['server_finished']} "
+            f"({r['server_aborts']} of them aborted)"
+        )
+    if r["server_finished"] > completed + r["left_seqs"]:
+        out.append(
+            f"the server finished {r['server_finished']} sequences, more than the "
+            f"{completed} completed and {r['left_seqs']} left"
+        )
+    if r["server_aborts"] > r["left_seqs"] - r["left_finished_seqs"]:
+        out.append(
+            f"the server aborted {r['server_aborts']} sequences; clients left "
+            f"{r['left_seqs'] - r['left_finished_seqs']} unfinished ones"
+        )
+    return out
+
+
 def check(r: dict[str, Any], rss_margin_mib: float) -> list[str]:
     """The pass criteria; one line per violation (empty: passed)."""
     out = [f"{r[k]} {k} request(s): {r['examples'].get(k, [])}" for k in FAILURES if r[k]]
@@ -271,13 +315,15 @@ def check(r: dict[str, Any], rss_margin_mib: float) -> list[str]:
         out.append(
             f"RSS grew from {r['rss_warm_mib']} MiB after warm-up to {r['rss_end_mib']} (margin {margin:.0f})"
         )
+    out += sequence_accounting(r)
     if not r["healthy_after"] or r["exit_code"] not in (0, -signal.SIGTERM):  # uvicorn re-raises it
         out.append(f"the engine was unhealthy after the load or exited {r['exit_code']}")
     return out
 
 
 COLUMNS = (
-    "sent completed refused rejected aborted server_error unexpected failed server_aborts preemptions "
+    "sent completed refused rejected aborted server_error unexpected failed completed_seqs left_seqs "
+    "left_finished_seqs server_finished server_aborts preemptions "
     "kv_blocks_in_use_after drain_s rss_start_mib rss_warm_mib rss_peak_mib rss_end_mib probe_p50_ms "
     "probe_p99_ms"
 ).split()

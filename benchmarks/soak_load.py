@@ -5,8 +5,11 @@ Each request is drawn from a seeded mix: completions and chat, streamed and whol
 after a few chunks, a whole one after a short timeout); a slice is hostile (too many or too long stop
 strings, too many stop token ids, prompts x n over the limit, tens of thousands of unknown fields,
 malformed bodies, a prompt past the context, out-of-range values, an unknown model). Every request ends
-in exactly one outcome (:data:`OUTCOMES`); a client returns its counts and a few examples of each
-outcome that is a failure.
+in exactly one outcome (:data:`OUTCOMES`); a client returns its counts, a few examples of each
+outcome that is a failure, and the sequences (prompts x ``n``) of its completed and its left requests,
+which the soak checks against the server's own count of finished sequences. A stream the client left
+after it had seen every choice's ``finish_reason`` counts as left too (the client did not read to
+``[DONE]``), but the server had finished it: its sequences are also counted apart (``left_finished``).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class Client:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.counts: Counter[str] = Counter()
+        self.seqs: Counter[str] = Counter()  # completed, left, left_finished
         self.examples: dict[str, list[str]] = {}
 
     def _record(self, outcome: str, detail: str = "") -> None:
@@ -108,7 +112,7 @@ class Client:
         if outcome in FAILURES and len(self.examples.setdefault(outcome, [])) < MAX_EXAMPLES:
             self.examples[outcome].append(detail[:300])
 
-    def _answered(self, response: httpx.Response, text: str, expected: set[int] | None) -> None:
+    def _answered(self, response: httpx.Response, text: str, expected: set[int] | None, seqs: int) -> None:
         status = response.status_code
         if expected is not None and status in expected and status != 200:
             self._record("rejected" if status < 500 else "refused")
@@ -120,54 +124,72 @@ class Client:
             self._record("unexpected", f"{status} {text}")
         else:
             self._record("completed")
+            self.seqs["completed"] += seqs
+
+    def _left(self, seqs: int, finished: bool = False) -> None:
+        self._record("aborted")
+        self.seqs["left"] += seqs
+        if finished:
+            self.seqs["left_finished"] += seqs
 
     async def one(self, http: httpx.AsyncClient) -> None:
         rng, cfg = self.rng, self.cfg
         if rng.random() < cfg.hostile_share:
             path, raw, expected = hostile_request(rng, cfg.model, cfg.max_model_len)
             response = await http.post(path, content=raw, headers={"content-type": "application/json"})
-            self._answered(response, response.text, expected)
+            self._answered(response, response.text, expected, seqs=1)  # the one accepted case: n 1
             return
         path, body = valid_request(rng, cfg.model)
+        seqs = (len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1) * body["n"]
         leave = rng.random() < cfg.disconnect_share
         if body["stream"]:
-            await self._stream(http, path, body, rng.randint(0, 6) if leave else None)
+            await self._stream(http, path, body, seqs, rng.randint(0, 6) if leave else None)
         elif leave:
             try:
                 response = await asyncio.wait_for(http.post(path, json=body), rng.uniform(0.01, 0.5))
             except TimeoutError:
-                self._record("aborted")
+                self._left(seqs)
                 return
-            self._answered(response, response.text, None)
+            self._answered(response, response.text, None, seqs)
         else:
             response = await http.post(path, json=body)
-            self._answered(response, response.text, None)
+            self._answered(response, response.text, None, seqs)
             if response.status_code == 200:
                 choices = response.json()["choices"]
                 prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
                 if len(choices) != prompts * body["n"]:
                     self.counts["completed"] -= 1
+                    self.seqs["completed"] -= seqs
                     self._record("unexpected", f"{len(choices)} choices for {prompts} x {body['n']}")
 
-    async def _stream(self, http: httpx.AsyncClient, path: str, body: dict, leave_after: int | None) -> None:
+    async def _stream(
+        self, http: httpx.AsyncClient, path: str, body: dict, seqs: int, leave_after: int | None
+    ) -> None:
         async with http.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                self._answered(response, response.text, None)
+                self._answered(response, response.text, None, seqs)
                 return
             events = 0
+            finished: set[int] = set()  # the choices whose finish_reason this client has seen
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
                     self._record("completed")
+                    self.seqs["completed"] += seqs
                     return
                 if '"error"' in line[:20]:
                     self._record("server_error", line)
                     return
                 events += 1
+                try:
+                    choices = json.loads(line[len("data: ") :]).get("choices") or []
+                except json.JSONDecodeError:
+                    choices = []
+                finished.update(c["index"] for c in choices if c.get("finish_reason"))
                 if leave_after is not None and events >= leave_after:
-                    self._record("aborted")
+                    self._left(seqs, finished=len(finished) == seqs)
                     return  # leaving the block closes the connection: the server must abort
         self._record("failed", "the stream ended without [DONE]")
 
@@ -185,7 +207,7 @@ class Client:
                         self._record("failed", f"{type(exc).__name__}: {exc}")
 
             await asyncio.gather(*(worker() for _ in range(self.cfg.concurrency)))
-        return {"counts": dict(self.counts), "examples": self.examples}
+        return {"counts": dict(self.counts), "examples": self.examples, "seqs": dict(self.seqs)}
 
 
 def client_main(cfg: LoadConfig) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Build and load the C++ CPU kernels once per process, cached on disk across processes and runs.
 
 The build directory is keyed by a hash of the source, the compiler flags, the torch version, the
-Python ABI and the CPU's instruction-set flags (the code is compiled with ``-march=native``, so a
-cache shared between different machines never hands one a binary it cannot run). A directory whose
+Python ABI and the CPU's instruction-set flags (the code is compiled with ``-march=native``, or the
+target ``$KVPILOT_CPU_MARCH`` names, so a cache shared between different machines never hands one a
+binary it cannot run). A directory whose
 build finished holds a ``complete`` marker; loading from it needs neither a compiler nor ninja.
 
 Where: ``$KVPILOT_KERNEL_CACHE`` or ``~/.cache/kvpilot/kernels``. If the compiler or ninja is
@@ -29,7 +30,11 @@ SOURCE = CSRC / "paged_attention_cpu.cpp"
 SOURCES = (SOURCE, CSRC / "fused_cpu.cpp")
 # -fopenmp-simd: the `omp simd` loops may reassociate their reductions; nothing else is relaxed
 # (no -ffast-math: results must stay within the reference's tolerance).
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno")
+CFLAGS = ("-O3", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno")
+# The instruction set the kernels are built for: this CPU's, unless ``$KVPILOT_CPU_MARCH`` names a
+# target (``x86-64-v3``: AVX2 and FMA without AVX-512), so that one machine can build and test the
+# code paths another CPU would take (``make test-isa``).
+MARCH_ENV = "KVPILOT_CPU_MARCH"
 # ATen's parallel_for is a header template: without -fopenmp it runs its range on the calling thread.
 # The extension then links the libgomp that torch has already loaded (one OpenMP runtime, one pool).
 OPENMP_FLAGS = ("-fopenmp",)
@@ -37,7 +42,7 @@ OPENMP_FLAGS = ("-fopenmp",)
 
 def _cflags(openmp: bool) -> list[str]:
     # A fresh list each time: torch's cpp_extension appends to the lists it is handed.
-    return [*CFLAGS, *(OPENMP_FLAGS if openmp else ())]
+    return [f"-march={os.environ.get(MARCH_ENV) or 'native'}", *CFLAGS, *(OPENMP_FLAGS if openmp else ())]
 
 
 _MARKER = "complete"

