@@ -147,11 +147,40 @@ def completion(url: str, model: str, prompt_tokens: int, max_tokens: int, seed: 
 
 
 def run_load(
-    url: str, model: str, *, requests: int, concurrency: int, prompt_tokens: int, max_tokens: int
+    url: str,
+    model: str,
+    *,
+    requests: int,
+    concurrency: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    duration_s: float | None = None,
 ) -> dict:
-    """Send ``requests`` completions, ``concurrency`` at a time; count what came back and what failed."""
+    """Send ``requests`` completions, ``concurrency`` at a time (with ``duration_s``: keep
+    ``concurrency`` in flight until that many seconds have passed instead); count what came back and
+    what failed."""
     done = failed = tokens = 0
+    deadline = time.monotonic() + duration_s if duration_s is not None else None
+
+    def stream(first_seed: int) -> tuple[int, int, int]:
+        ok = bad = generated = 0
+        seed = first_seed
+        while time.monotonic() < deadline:
+            try:
+                generated += completion(url, model, prompt_tokens, max_tokens, seed)
+                ok += 1
+            except (OSError, urllib.error.URLError, KeyError, ValueError):
+                bad += 1
+            seed += concurrency
+        return ok, bad, generated
+
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        if deadline is not None:
+            futures = [pool.submit(stream, i) for i in range(concurrency)]
+            for future in concurrent.futures.as_completed(futures):
+                ok, bad, generated = future.result()
+                done, failed, tokens = done + ok, failed + bad, tokens + generated
+            return {"completed": done, "failed": failed, "completion_tokens": tokens}
         futures = [
             pool.submit(completion, url, model, prompt_tokens, max_tokens, seed) for seed in range(requests)
         ]
@@ -231,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calm-s", type=float, default=12.0, help="seconds of each calm phase")
     parser.add_argument("--storm-requests", type=int, default=160)
     parser.add_argument("--storm-concurrency", type=int, default=16)
+    parser.add_argument(
+        "--storm-s", type=float, help="keep --storm-concurrency requests in flight this long (not a count)"
+    )
+    parser.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="vllm-storm-") as tmp:
@@ -246,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         with vllm_server(
             args.vllm_python, server_args(model_dir, served, port, args.kv_blocks), port=port, workdir=workdir
         ) as server:
-            recorder = Recorder(server.url, pod="llm-vllm-0", namespace="llm", name=served)
+            recorder = Recorder(
+                server.url, pod="llm-vllm-0", namespace="llm", name=served, interval=args.scrape_interval
+            )
             recorder.start()
             calm_until = time.monotonic() + args.calm_s
             seed = 10_000
@@ -261,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 concurrency=args.storm_concurrency,
                 prompt_tokens=96,
                 max_tokens=224,
+                duration_s=args.storm_s,
             )
             recorder.phase = "calm-after"
             time.sleep(args.calm_s)
@@ -278,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         "kv_blocks": args.kv_blocks,
         "block_size": BLOCK_SIZE,
         "storm": storm,
+        "storm_concurrency": args.storm_concurrency,
+        "scrape_interval_s": args.scrape_interval,
         "scrapes": len(recorder.lines),
         "preemptions_total": counter(metrics[-1], "vllm:num_preemptions_total") if metrics else None,
     }

@@ -1,13 +1,13 @@
 """The window the remediation policy reads: every ready pod's series reduced to one
 :class:`MetricWindow` by :func:`summarize`.
 
-Pure: no I/O and no clock. "Sustained" means at every scrape interval across the whole window, not on
-average: the window keeps each interval between two consecutive scrapes (``MetricWindow.intervals``:
-the preemption rate over it, the gauges at its end, per replica), and the policy's conditions must
-hold in every one. A window is ``full`` when every pod has a scrape at or before its start, so the
-intervals cover all of it: a storm shorter than the window never fills one. A window is complete (the
-policy may act on it) with at least three scrapes (``MIN_SAMPLES``) spanning at least
-``MIN_COVERAGE`` of it and no gap between two of them longer than the staleness bound.
+Pure: no I/O and no clock. The window keeps each interval between two consecutive scrapes
+(``MetricWindow.intervals``: its length, the preemption rate over it and the gauges at its end, per
+replica), so that the policy can judge not only the window's totals but how they spread over it
+(``policy.storm_parts``: a storm must cover the window; gauges must hold at every scrape). A window
+is ``full`` when every pod has a scrape at or before its start, so the intervals cover all of it. A
+window is complete (the policy may act on it) with at least three scrapes (``MIN_SAMPLES``) spanning
+at least ``MIN_COVERAGE`` of it and no gap between two of them longer than the staleness bound.
 
 Nothing is inferred from data that is missing, stale, partial, invalid or unparsable: each such case
 becomes a line in ``MetricWindow.problems``, and the policy never acts on a window with problems.
@@ -30,11 +30,12 @@ MIN_SAMPLES = 3
 @dataclasses.dataclass(frozen=True)
 class Interval:
     """One scrape interval of the window, per replica (mean over the pods): the preemption rate over
-    it, KV usage and queue at its end."""
+    it, KV usage and queue at its end, and its length in seconds."""
 
     preemption_rate: float
     kv_usage: float
     waiting: float
+    seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +137,7 @@ def _pod_window(series: PodSeries, now: float, window_s: float, max_gap_s: float
             preemption_rate=(b.preemptions - a.preemptions) / max(b.scrape.time - a.scrape.time, 1e-9),
             kv_usage=b.scrape.kv_usage or 0.0,
             waiting=b.scrape.waiting or 0.0,
+            seconds=b.scrape.time - a.scrape.time,
         )
         for a, b in zip(used, used[1:], strict=False)
     ]
@@ -219,6 +221,7 @@ def summarize(
                 preemption_rate=_mean(i.preemption_rate for i in same),
                 kv_usage=_mean(i.kv_usage for i in same),
                 waiting=_mean(i.waiting for i in same),
+                seconds=_mean(i.seconds for i in same),
             )
         )
     return MetricWindow(

@@ -105,7 +105,7 @@ def window(
         waiting=waiting,
         waiting_max=waiting,
         running=running,
-        intervals=tuple(Interval(r, kv, waiting) for r in rates),
+        intervals=tuple(Interval(r, kv, waiting, WINDOW_S / len(rates)) for r in rates),
         full=True,
         capacity=Capacity(num_gpu_blocks=2048, block_size=16, max_model_len=4096),
         shape=SHAPE,

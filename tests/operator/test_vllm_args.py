@@ -26,6 +26,7 @@ from tests.operator.conftest import BASE_ISVC
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIREMENTS = REPO / "tests" / "vllm" / "requirements.txt"
+INSTALLER = REPO / "tests" / "vllm" / "install.py"
 PARSER = REPO / "tests" / "vllm" / "parse_args.py"
 
 # spec.engine key -> the attribute vLLM's parser stores it under.
@@ -51,7 +52,8 @@ def vllm_python() -> str:
 
     Missing: fails under ``KVPILOT_REQUIRE_TOOLS=1`` (``make test``), skips otherwise."""
     explicit = os.environ.get("KVPILOT_VLLM_PYTHON")
-    key = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:12]
+    # The key mk/vllm.mk names the environment by: the requirements and the installer, concatenated.
+    key = hashlib.sha256(REQUIREMENTS.read_bytes() + INSTALLER.read_bytes()).hexdigest()[:12]
     candidate = (
         Path(explicit)
         if explicit
