@@ -15,6 +15,15 @@ the file replays through the same policy the operator runs. The replay test in
     python benchmarks/vllm_storm.py --vllm-python ~/.cache/kvpilot/vllm-venv-*/bin/python \\
         --out tests/operator/fixtures/vllm-0.32-cpu-storm.jsonl.gz
 
+The near-threshold recording (``fixtures/vllm-0.32-cpu-near-threshold.jsonl.gz``: a pool just short of
+24 streams of varied lengths, 2 s scrapes) came from::
+
+    python benchmarks/vllm_storm.py --vllm-python ... --kv-blocks 224 --calm-s 12 --storm-s 90 \\
+        --storm-concurrency 24 --scrape-interval 2 --max-tokens 96 --max-tokens-spread 288 \\
+        --out tests/operator/fixtures/vllm-0.32-cpu-near-threshold.jsonl.gz
+
+The preemption rate is steep in the pool's size here (200 blocks gave 7/s, 235 gave 0.4/s, 260 none).
+
 Without ``--model`` it builds the ~7M random-weight checkpoint (``engine/models/synthetic.py``, size
 ``10m``: head size 32, the smallest vLLM's CPU attention supports).
 """
@@ -155,11 +164,17 @@ def run_load(
     prompt_tokens: int,
     max_tokens: int,
     duration_s: float | None = None,
+    max_tokens_spread: int = 0,
 ) -> dict:
     """Send ``requests`` completions, ``concurrency`` at a time (with ``duration_s``: keep
     ``concurrency`` in flight until that many seconds have passed instead); count what came back and
-    what failed."""
+    what failed. ``max_tokens_spread``: each request asks for ``max_tokens`` plus 0 to this many more,
+    by its seed, so that the requests' KV needs drift apart instead of growing in step."""
     done = failed = tokens = 0
+
+    def length(seed: int) -> int:
+        return max_tokens + (seed * 7919) % (max_tokens_spread + 1)
+
     deadline = time.monotonic() + duration_s if duration_s is not None else None
 
     def stream(first_seed: int) -> tuple[int, int, int]:
@@ -167,7 +182,7 @@ def run_load(
         seed = first_seed
         while time.monotonic() < deadline:
             try:
-                generated += completion(url, model, prompt_tokens, max_tokens, seed)
+                generated += completion(url, model, prompt_tokens, length(seed), seed)
                 ok += 1
             except (OSError, urllib.error.URLError, KeyError, ValueError):
                 bad += 1
@@ -182,7 +197,7 @@ def run_load(
                 done, failed, tokens = done + ok, failed + bad, tokens + generated
             return {"completed": done, "failed": failed, "completion_tokens": tokens}
         futures = [
-            pool.submit(completion, url, model, prompt_tokens, max_tokens, seed) for seed in range(requests)
+            pool.submit(completion, url, model, prompt_tokens, length(seed), seed) for seed in range(requests)
         ]
         for future in concurrent.futures.as_completed(futures):
             try:
@@ -264,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         "--storm-s", type=float, help="keep --storm-concurrency requests in flight this long (not a count)"
     )
     parser.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes")
+    parser.add_argument("--max-tokens", type=int, default=224, help="output tokens of a storm request")
+    parser.add_argument(
+        "--max-tokens-spread", type=int, default=0, help="up to this many more, varying by request"
+    )
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="vllm-storm-") as tmp:
@@ -295,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                 requests=args.storm_requests,
                 concurrency=args.storm_concurrency,
                 prompt_tokens=96,
-                max_tokens=224,
+                max_tokens=args.max_tokens,
                 duration_s=args.storm_s,
+                max_tokens_spread=args.max_tokens_spread,
             )
             recorder.phase = "calm-after"
             time.sleep(args.calm_s)
@@ -315,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": BLOCK_SIZE,
         "storm": storm,
         "storm_concurrency": args.storm_concurrency,
+        "max_tokens": [args.max_tokens, args.max_tokens + args.max_tokens_spread],
         "scrape_interval_s": args.scrape_interval,
         "scrapes": len(recorder.lines),
         "preemptions_total": counter(metrics[-1], "vllm:num_preemptions_total") if metrics else None,

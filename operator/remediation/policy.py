@@ -135,9 +135,9 @@ class StormParts:
             missing = self.reached.count(False)
             return f"{size}, " + (f"{missing} without a preemption" if missing else "each with a preemption")
         floor = f"{self.floor:.3g}/s" + (" or one preemption" if any(self.one_event) else "")
-        return (
-            f"{size}, " + ("every one" if self.covered else "lowest") + f" >= {floor} (lowest {lowest:.3g})"
-        )
+        if self.covered:
+            return f"{size}, every one >= {floor} (lowest {lowest:.3g}/s)"
+        return f"{size}, {self.reached.count(False)} below {floor} (lowest {lowest:.3g}/s)"
 
 
 def storm_parts(window: MetricWindow, threshold: float) -> StormParts:

@@ -87,3 +87,48 @@ def test_recommend_mode_names_the_same_step_and_changes_nothing(lines) -> None:
     recommended = [d for d in decisions if d.action == "recommend"]
     assert recommended and recommended[0].field == "gpuMemoryUtilization"
     assert not any(d.action == "apply" for d in decisions)
+
+
+# ``fixtures/vllm-0.32-cpu-near-threshold.jsonl.gz``: the same server and checkpoint, a KV pool of 224
+# blocks of 32 under 24 concurrent streams of 96 + 96..384 tokens, scraped every 2 s (``vllm_storm.py
+# --kv-blocks 224 --storm-s 90 --storm-concurrency 24 --scrape-interval 2 --max-tokens 96
+# --max-tokens-spread 288``). vLLM preempted 64 times in the 90 s storm, in clumps: 0.7/s overall,
+# with stretches of 6-10 s without one. Against 0.5/s over 30 s, no scrape interval rule would see it.
+NEAR = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-near-threshold.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def near_lines() -> list[dict]:
+    return [json.loads(line) for line in gzip.decompress(NEAR.read_bytes()).decode().splitlines()]
+
+
+def near_isvc() -> dict:
+    obj = isvc("Auto")
+    obj["spec"]["remediation"]["window"] = "30s"
+    return obj
+
+
+def test_the_near_threshold_recording_is_a_real_clumpy_storm(near_lines) -> None:
+    counts = [parse_scrape(line["metrics"], line["time"]).preemptions for line in near_lines]
+    storm = [c for line, c in zip(near_lines, counts, strict=True) if line["phase"] == "storm"]
+    assert counts[0] == 0 and 40 <= storm[-1] <= 100
+    steps = [b - a for a, b in zip(storm, storm[1:], strict=False)]
+    assert steps.count(0) > len(steps) / 2  # most 2 s intervals hold no preemption
+
+
+def test_a_near_threshold_storm_of_real_vllm_is_acted_on_once_it_covers_the_window(near_lines) -> None:
+    obj = near_isvc()
+    records = read_records((json.dumps(line) for line in near_lines), obj)
+    decisions = [(t, d) for t, d, _ in replay(obj, records)]
+    applied = [(t, d) for t, d in decisions if d.action == "apply"]
+    assert len(applied) == 1, [d.reason for _, d in decisions]
+    acted_at, first = applied[0]
+    assert line_phase(near_lines, acted_at) == "storm"
+    assert (first.field, first.from_, first.to) == ("gpuMemoryUtilization", 0.5, 0.55)
+    assert "4 parts of 8s, every one >= 0.25/s" in first.reason and "threshold 0.5" in first.reason
+    # Not before the storm phase has filled the window; and every quarter held preemptions then, the
+    # first of them included, although the first 2 s interval with one came 6 s into the storm.
+    storm_began = next(line["time"] for line in near_lines if line["phase"] == "storm")
+    assert acted_at - storm_began >= 30.0 - 0.5
+    calm = [d for t, d in decisions if line_phase(near_lines, t) == "calm"]
+    assert calm and all(d.action == "none" for d in calm)
