@@ -31,9 +31,11 @@ import numpy as np
 
 try:
     from tests.operator.engine_metrics import EngineMetrics
+    from tests.operator.test_policy import isvc as policy_isvc
 except ImportError:  # run as a script: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.operator.engine_metrics import EngineMetrics
+    from tests.operator.test_policy import isvc as policy_isvc
 
 from kvpilot.operator.remediation.replay import read_records, replay
 
@@ -44,24 +46,11 @@ INTERVALS = (1.0, 2.0, 5.0)
 
 
 def isvc(threshold: float, window_s: float, pods: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "serving.kvpilot.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
-        "spec": {
-            "model": {"source": "pvc://models/llm"},
-            "image": "engine:1",
-            "replicas": pods,
-            "engine": {"gpuMemoryUtilization": 0.9, "maxNumSeqs": 64},
-            "remediation": {
-                "mode": "Recommend",
-                "preemptionRate": threshold,
-                "window": f"{window_s:g}s",
-                "cooldown": "600s",
-                "liveLevers": False,
-            },
-        },
-    }
+    """The policy tests' InferenceService, in mode Recommend, with this threshold, window and replicas."""
+    return policy_isvc(
+        replicas=pods,
+        remediation={"mode": "Recommend", "preemptionRate": threshold, "window": f"{window_s:g}s"},
+    )
 
 
 # The issue's two settings: the CRD's defaults with two replicas, and a single vLLM server at 0.5/s.
