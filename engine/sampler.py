@@ -189,8 +189,8 @@ class Sampler:
         ks = torch.tensor(top_ks, device=x.device)
         ranks = torch.arange(vocab, device=x.device)[None, :]
         drop = ranks < (vocab - ks)[:, None]
-        filtered = torch.tensor([p < 1.0 for p in top_ps], device=x.device)
-        if bool(filtered.any()):
+        if any(p < 1.0 for p in top_ps):
+            filtered = torch.tensor([p < 1.0 for p in top_ps], device=x.device)
             # 1 - top_p in double, then float32: the threshold transformers compares with.
             rest = torch.tensor([1.0 - p for p in top_ps], device=x.device, dtype=torch.float32)
             probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)

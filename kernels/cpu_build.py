@@ -3,8 +3,8 @@
 The build directory is keyed by a hash of the source, the compiler flags, the torch version, the
 Python ABI and the CPU's instruction-set flags (the code is compiled with ``-march=native``, or the
 target ``$KVPILOT_CPU_MARCH`` names, so a cache shared between different machines never hands one a
-binary it cannot run). A directory whose
-build finished holds a ``complete`` marker; loading from it needs neither a compiler nor ninja.
+binary it cannot run). A directory whose build finished holds a ``complete`` marker; loading from it
+needs neither a compiler nor ninja.
 
 Where: ``$KVPILOT_KERNEL_CACHE`` or ``~/.cache/kvpilot/kernels``. If the compiler or ninja is
 missing or the build fails, ``load_extension()`` logs one line and returns None; it never raises.

@@ -70,7 +70,7 @@ from kvpilot.operator.remediation.decision import (
     Decision,
     history_from_status,
 )
-from kvpilot.operator.remediation.policy import is_storm
+from kvpilot.operator.remediation.signals import is_storm
 from kvpilot.operator.remediation.window import MetricWindow
 
 PREFIX = "kvpilot_operator_"

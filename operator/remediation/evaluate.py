@@ -41,7 +41,8 @@ from kvpilot.operator.remediation.decision import (
     Decision,
     history_from_status,
 )
-from kvpilot.operator.remediation.policy import PRESSURE_EXIT_RATIO, decide, is_demand, is_storm
+from kvpilot.operator.remediation.policy import PRESSURE_EXIT_RATIO, decide
+from kvpilot.operator.remediation.signals import is_demand, is_storm
 from kvpilot.operator.remediation.window import MetricWindow
 
 MAX_HISTORY = 20

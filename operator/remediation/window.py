@@ -4,7 +4,7 @@
 Pure: no I/O and no clock. The window keeps each interval between two consecutive scrapes
 (``MetricWindow.intervals``: its length, the preemption rate over it and the gauges at its end, per
 replica), so that the policy can judge not only the window's totals but how they spread over it
-(``policy.storm_parts``: a storm must cover the window; gauges must hold at every scrape). A window
+(``signals.storm_parts``: a storm must cover the window; gauges must hold at every scrape). A window
 is ``full`` when every pod has a scrape at or before its start, so the intervals cover all of it. A
 window is complete (the policy may act on it) with at least three scrapes (``MIN_SAMPLES``) spanning
 at least ``MIN_COVERAGE`` of it and no gap between two of them longer than the staleness bound.
