@@ -45,5 +45,6 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .tools
 
 include mk/operator.mk
+include mk/k8s.mk
 include mk/vllm.mk
 include mk/demo.mk

@@ -75,7 +75,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         # Serve exactly the resources found at start-up in the given namespaces: no cluster-wide
         # permissions on namespaces or CRDs are needed (the chart installs the CRD first).
         settings.scanning.disabled = True
-        settings.watching.server_timeout = options.watch_timeout
+        # An integer: the API server refuses a fractional timeoutSeconds ("300.0") on every watch.
+        settings.watching.server_timeout = int(options.watch_timeout)
         settings.watching.label_selectors["apps", "deployments"] = (
             f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
         )

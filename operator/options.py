@@ -28,7 +28,7 @@ class OperatorOptions:
     namespaces: tuple[str, ...] = ()
     clusterwide: bool = False
     resync_interval: float = 300.0
-    watch_timeout: float = 300.0
+    watch_timeout: int = 300
     service_monitors: bool = False
     scrape_interval: float = 15.0
     scrape_timeout: float = 3.0

@@ -83,10 +83,45 @@ def _same_scalar(desired: Any, live: Any) -> bool:
     return False
 
 
+# The lists of the kinds the operator renders that server-side apply merges by key
+# (``x-kubernetes-list-type: map`` in the built-in schemas), by field name: entries another field
+# manager adds (a webhook's env var, a mesh's sidecar, a CSI volume) live beside the operator's and
+# are not drift. A key missing from an entry takes the API server's default. ``ports`` is a Container's
+# (containerPort, protocol) or a Service's (port, protocol), told apart by which key the entry has.
+# Every other list is atomic: it drifts when it differs in length or in any entry.
+MERGE_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "containers": (("name",),),
+    "initContainers": (("name",),),
+    "ephemeralContainers": (("name",),),
+    "env": (("name",),),
+    "volumes": (("name",),),
+    "volumeMounts": (("mountPath",),),
+    "volumeDevices": (("devicePath",),),
+    "imagePullSecrets": (("name",),),
+    "resourceClaims": (("name",),),
+    "schedulingGates": (("name",),),
+    "hostAliases": (("ip",),),
+    "topologySpreadConstraints": (("topologyKey", "whenUnsatisfiable"),),
+    "ports": (("containerPort", "protocol"), ("port", "protocol")),
+}
+_KEY_DEFAULTS = {"protocol": "TCP"}
+
+
+def _merge_key(field: str, entry: Any) -> tuple | None:
+    """The key SSA merges ``entry`` of list ``field`` by, or None when the list is atomic."""
+    if not isinstance(entry, dict):
+        return None
+    for keys in MERGE_KEYS.get(field, ()):
+        if keys[0] in entry:
+            return (keys, tuple(entry.get(k, _KEY_DEFAULTS.get(k)) for k in keys))
+    return None
+
+
 def drifted(desired: Any, live: Any, path: str = "") -> str | None:
     """The first field the operator renders (a key of ``desired``, at any depth) whose live value
     differs, as a dotted path; None when ``live`` holds all of ``desired``. Fields the API server or
-    other controllers add (defaults, status, annotations of their own) are not drift."""
+    other controllers add (defaults, status, annotations of their own, entries of merge-keyed lists
+    such as another manager's env var or sidecar container) are not drift."""
     if isinstance(desired, dict):
         if not isinstance(live, dict):
             return path or "."
@@ -96,7 +131,18 @@ def drifted(desired: Any, live: Any, path: str = "") -> str | None:
                 return where
         return None
     if isinstance(desired, list):
-        if not isinstance(live, list) or len(live) != len(desired):
+        if not isinstance(live, list):
+            return path
+        field = path.rsplit(".", 1)[-1]
+        keys = [_merge_key(field, want) for want in desired]
+        if desired and all(key is not None for key in keys):
+            by_key = {_merge_key(field, have): have for have in live}
+            for key, want in zip(keys, desired, strict=True):
+                where = drifted(want, by_key.get(key), f"{path}[{'/'.join(map(str, key[1]))}]")
+                if where is not None:
+                    return where
+            return None
+        if len(live) != len(desired):
             return path
         for index, (want, have) in enumerate(zip(desired, live, strict=True)):
             where = drifted(want, have, f"{path}[{index}]")

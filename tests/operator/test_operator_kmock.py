@@ -234,7 +234,6 @@ def test_hand_edits_of_the_engine_deployment_are_restored_with_one_write(api, op
     wanted = (container["image"], list(container["args"]), copy.deepcopy(container.get("env")))
     container["image"] = "someone/else:latest"  # kubectl set image
     container["args"] = [*container["args"], "--max-num-seqs", "999"]  # kubectl edit
-    container["env"] = [*(container.get("env") or []), {"name": "INJECTED", "value": "1"}]
     before = len(api.writes)
     api.merge_patch(path, {"spec": {"template": {"spec": {"containers": [container]}}}})
 
@@ -242,7 +241,9 @@ def test_hand_edits_of_the_engine_deployment_are_restored_with_one_write(api, op
         live = api.get(path)["spec"]["template"]["spec"]["containers"][0]
         return live if (live["image"], live["args"], live.get("env")) == wanted else None
 
-    wait_for(restored, what="the image, args and env restored")
+    # (An env var another manager adds is not the operator's to remove: on a real API server it
+    # survives the apply, as tests/k8s/test_control_plane.py shows; the fake's lists are atomic.)
+    wait_for(restored, what="the image and args restored")
     # A second drift, repaired by a later pass: proof that the passes after the first repair found
     # nothing more to write there (a write loop would show as extra writes).
     api.merge_patch(path, {"spec": {"replicas": 7}})

@@ -145,3 +145,64 @@ def pod_template(image: str = "a", args: tuple = ("--p",), replicas=2, **extra) 
 def test_drifted_names_the_first_rendered_field_that_differs(live, where):
     assert drifted(pod_template(), live) == where
     assert drifted({"on": True}, {"on": 1}) == "on"
+
+
+def keyed_template(
+    env: list, containers_extra: list = (), ports=({"name": "http", "containerPort": 8000},)
+) -> dict:
+    engine = {"name": "engine", "args": ["--p"], "env": env, "ports": list(ports)}
+    return {"spec": {"template": {"spec": {"containers": [engine, *containers_extra]}}}}
+
+
+SIDECAR = {"name": "mesh-proxy", "image": "proxy:1"}
+ENV = [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
+
+
+@pytest.mark.parametrize(
+    ("live", "where"),
+    [
+        # Another manager's env var and sidecar merge in beside the operator's entries (the API
+        # server merges these lists by name), and the API server fills in the port's protocol.
+        (keyed_template([*ENV, {"name": "INJECTED", "value": "1"}], [SIDECAR]), None),
+        (keyed_template([ENV[1], {"name": "INJECTED"}, ENV[0]], [SIDECAR]), None),
+        (
+            {
+                "spec": {
+                    "template": {
+                        "spec": {
+                            "containers": [
+                                SIDECAR,
+                                keyed_template(ENV)["spec"]["template"]["spec"]["containers"][0],
+                            ]
+                        }
+                    }
+                }
+            },
+            None,
+        ),
+        (keyed_template(ENV, ports=({"name": "http", "containerPort": 8000, "protocol": "TCP"},)), None),
+        (
+            keyed_template([ENV[0], {"name": "B", "value": "3"}]),
+            "spec.template.spec.containers[engine].env[B].value",
+        ),
+        (keyed_template([ENV[0]]), "spec.template.spec.containers[engine].env[B]"),
+        (
+            keyed_template(ENV, ports=({"name": "http", "containerPort": 8000, "protocol": "UDP"},)),
+            "spec.template.spec.containers[engine].ports[8000/TCP]",
+        ),
+        (
+            {"spec": {"template": {"spec": {"containers": [SIDECAR]}}}},
+            "spec.template.spec.containers[engine]",
+        ),
+    ],
+)
+def test_entries_of_merge_keyed_lists_are_matched_by_key(live, where):
+    assert drifted(keyed_template(ENV), live) == where
+
+
+def test_atomic_lists_still_drift_on_an_extra_entry():
+    assert drifted({"args": ["--p"]}, {"args": ["--p", "--q"]}) == "args"
+    assert (
+        drifted({"tolerations": [{"key": "gpu"}]}, {"tolerations": [{"key": "gpu"}, {"key": "x"}]})
+        == "tolerations"
+    )
