@@ -55,6 +55,7 @@ class Outcome:
     problems: list[str] = dataclasses.field(default_factory=list)
     conflicts: list[str] = dataclasses.field(default_factory=list)
     written: list[str] = dataclasses.field(default_factory=list)
+    forbidden: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     status_written: bool = False
     gone: bool = False
@@ -173,6 +174,9 @@ async def _apply_children(kube: Kube, isvc: dict[str, Any], children: list[dict]
         except ApiError as exc:
             if exc.status == 404 and kind == "ServiceMonitor":
                 continue  # the Prometheus Operator's CRD is not installed: nothing to scrape with
+            if exc.status == 403:
+                outcome.forbidden.append(f"cannot get {kind} {name}: {exc.message}")
+                continue
             raise
         if live is not None and not is_controlled_by(live, isvc):
             outcome.conflicts.append(f"{kind} {name} exists and is not owned by this {names.KIND}")
@@ -183,6 +187,9 @@ async def _apply_children(kube: Kube, isvc: dict[str, Any], children: list[dict]
                 live = await kube.apply(desired)
             except ApiError as exc:
                 if exc.status == 404 and kind == "ServiceMonitor":
+                    continue
+                if exc.status == 403:
+                    outcome.forbidden.append(f"cannot apply {kind} {name}: {exc.message}")
                     continue
                 raise
             outcome.written.append(f"{verb} {kind} {name}")
@@ -277,8 +284,17 @@ async def reconcile(
                 await _emit(emit, "Warning", "ServiceMonitorUnavailable", line)
         if outcome.conflicts and blocked_message(isvc.get("status")) != "; ".join(outcome.conflicts):
             await _emit(emit, "Warning", "ChildConflict", "; ".join(outcome.conflicts))
+        if outcome.forbidden and blocked_message(isvc.get("status")) != "; ".join(outcome.forbidden):
+            await _emit(emit, "Warning", "Forbidden", "; ".join(outcome.forbidden))
     desired = desired_status(
-        isvc, effective, deployment, outcome.problems, selector_string(isvc), now, conflicts=outcome.conflicts
+        isvc,
+        effective,
+        deployment,
+        outcome.problems,
+        selector_string(isvc),
+        now,
+        conflicts=outcome.conflicts,
+        forbidden=outcome.forbidden,
     )
     outcome.status_written = await _write_status(kube, isvc, desired)
     return outcome
@@ -344,6 +360,8 @@ class Reconciler:
             outcome = await self.reconcile(resolve(isvc, self.platform), announce=announce)
         for line in outcome.written:
             logger.info(line)
+        for line in outcome.forbidden:
+            logger.error(f"RBAC: {line}")
         return outcome
 
     async def reconcile(self, settings: Settings, announce: bool = False) -> Outcome:

@@ -95,6 +95,7 @@ def desired_status(
     selector: str,
     now: datetime.datetime,
     conflicts: list[str] | tuple[str, ...] = (),
+    forbidden: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The owned status fields for this reconcile (a full value for each owned key).
 
@@ -128,6 +129,9 @@ def desired_status(
         if conflicts:
             status["phase"] = "Failed"
             updates[1] = condition("Ready", False, "ChildConflict", "; ".join(conflicts))
+        if forbidden:  # RBAC refused the operator a verb it needs (the chart's role lacks it)
+            status["phase"] = "Failed"
+            updates[1] = condition("Ready", False, "Forbidden", "; ".join(forbidden))
     status["conditions"] = merge_conditions(current.get("conditions"), updates, generation, now)
     if generation is None:
         del status["observedGeneration"]
@@ -152,9 +156,9 @@ def status_patch(current: dict[str, Any] | None, desired: dict[str, Any]) -> dic
 
 
 def blocked_message(status: dict[str, Any] | None) -> str | None:
-    """The message of a ``Ready=False`` condition with reason ``ChildConflict``, or None."""
+    """The message of a ``Ready=False`` condition with reason ``ChildConflict`` or ``Forbidden``."""
     cond = find_condition((status or {}).get("conditions"), "Ready")
-    if cond and cond.get("reason") == "ChildConflict":
+    if cond and cond.get("reason") in ("ChildConflict", "Forbidden"):
         return cond.get("message")
     return None
 
