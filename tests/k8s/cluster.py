@@ -31,11 +31,22 @@ KUBECTL = REPO / ".tools" / "kubectl"
 ADMIN_TOKEN = "kvpilot-admin-token"  # noqa: S105 - a loopback test cluster's static tokens
 OPERATOR_TOKEN = "kvpilot-operator-token"  # noqa: S105
 OPERATOR_USER = "kvpilot-operator-admin"  # an operator run with full rights (RBAC tests use the chart's)
+STANDBY_TOKEN = "kvpilot-standby-token"  # noqa: S105 - a second replica, told apart in the audit log
+STANDBY_USER = "kvpilot-operator-standby"
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",
     "omitStages": ["RequestReceived"],
-    "rules": [{"level": "None", "nonResourceURLs": ["/readyz", "/livez", "/healthz"]}, {"level": "Metadata"}],
+    "rules": [
+        {"level": "None", "nonResourceURLs": ["/readyz", "/livez", "/healthz"]},
+        # Status writes with their bodies, to say what a write changed.
+        {
+            "level": "Request",
+            "verbs": ["patch", "update"],
+            "resources": [{"group": "serving.kvpilot.io", "resources": ["inferenceservices/status"]}],
+        },
+        {"level": "Metadata"},
+    ],
 }
 
 
@@ -74,6 +85,7 @@ class Cluster:
             subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
         (self.root / "tokens.csv").write_text(
             f'{ADMIN_TOKEN},kvpilot-admin,1,"system:masters"\n{OPERATOR_TOKEN},{OPERATOR_USER},2,"system:masters"\n'
+            f'{STANDBY_TOKEN},{STANDBY_USER},3,"system:masters"\n'
         )
         (self.root / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
         self.start_etcd()
