@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import yaml
 
 from kvpilot.operator.api import names
 from tests.k8s.cluster import OPERATOR_TOKEN, OPERATOR_USER, Cluster
-from tests.operator.conftest import CRD_PATH, EXAMPLE, OperatorProcess, wait_for
+from tests.operator.conftest import CHART, CRD_PATH, EXAMPLE, OperatorProcess, find_tool, wait_for
 
 INVALID = sorted((Path(__file__).parents[1] / "operator" / "invalid").glob("*.yaml"))
 NS = "llm"
@@ -46,6 +47,31 @@ def test_the_crd_is_structural_and_its_names_accepted(crd_installed: Cluster):
     assert conditions["Established"]["status"] == "True"
     assert conditions["NamesAccepted"]["status"] == "True"
     assert "NonStructuralSchema" not in conditions, conditions.get("NonStructuralSchema")
+
+
+def test_the_chart_installs_its_crd_on_the_api_server(crd_installed: Cluster):
+    """The CRD as the chart renders it (its template, labels and annotations) is accepted as well."""
+    rendered = subprocess.run(
+        [find_tool("helm"), "template", "kv", str(CHART), "-n", "kvpilot-system"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    crds = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "CustomResourceDefinition"]
+    assert [d["metadata"]["name"] for d in crds] == ["inferenceservices.serving.kvpilot.io"]
+    done = crd_installed.kubectl(
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "--field-manager=helm",
+        "-f",
+        "-",
+        input=json.dumps(crds[0]),
+    )
+    assert "serverside-applied" in done.stdout, done.stdout
+    crd_installed.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.serving.kvpilot.io"
+    )
 
 
 @pytest.mark.parametrize("fixture", INVALID, ids=[p.stem for p in INVALID])
