@@ -14,9 +14,16 @@ K8S_LDFLAGS := -s -w \
 	-X k8s.io/component-base/version.gitTreeState=clean \
 	-X k8s.io/client-go/pkg/version.gitVersion=$(K8S_VERSION)
 
+# kwok simulates nodes and pod lifecycles (its stages: tests/k8s/kwok.yaml). Its own module
+# (tools/kwok/go.mod): its release needs newer client libraries than the control plane's, so it is
+# built and cached apart, keyed the same way.
+KWOK_VERSION ?= v0.8.0
+KWOK_KEY := $(shell cat tools/kwok/go.mod tools/kwok/go.sum 2>/dev/null | sha256sum | cut -c1-12)
+KWOK_CACHE ?= $(HOME)/.cache/kvpilot/kwok-$(KWOK_VERSION)-$(KWOK_KEY)
+
 .PHONY: k8s-tools test-k8s
 
-k8s-tools: $(TOOLS_DIR)/k8s/.ready
+k8s-tools: $(TOOLS_DIR)/k8s/.ready $(TOOLS_DIR)/kwok/.ready
 
 test-operator-prereqs: k8s-tools
 
@@ -38,6 +45,20 @@ $(K8S_CACHE)/.built:
 	cd tools/k8s && go build -trimpath -ldflags "-s -w" -o $(K8S_CACHE).tmp/etcd go.etcd.io/etcd/server/v3
 	$(K8S_CACHE).tmp/kube-apiserver --version
 	rm -rf $(K8S_CACHE) && mv $(K8S_CACHE).tmp $(K8S_CACHE)
+	touch $@
+
+$(TOOLS_DIR)/kwok/.ready: $(KWOK_CACHE)/.built
+	mkdir -p $(TOOLS_DIR)
+	ln -sfn $(KWOK_CACHE) $(TOOLS_DIR)/kwok
+	touch $@
+
+$(KWOK_CACHE)/.built:
+	@command -v go >/dev/null || { echo "go is needed to build kwok (tools/kwok)"; exit 1; }
+	@echo "Building kwok $(KWOK_VERSION) from Go modules into $(KWOK_CACHE)"
+	mkdir -p $(KWOK_CACHE).tmp
+	cd tools/kwok && go build -trimpath -ldflags "-s -w" -o $(KWOK_CACHE).tmp/kwok sigs.k8s.io/kwok/cmd/kwok
+	$(KWOK_CACHE).tmp/kwok --version
+	rm -rf $(KWOK_CACHE) && mv $(KWOK_CACHE).tmp $(KWOK_CACHE)
 	touch $@
 
 # The cluster tests alone (the full suite runs them too).

@@ -1,5 +1,6 @@
-"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager and
-kube-scheduler, built by `make k8s-tools` (mk/k8s.mk) into .tools/k8s.
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok (simulated nodes), built by `make k8s-tools` (mk/k8s.mk) into .tools/k8s and
+.tools/kwok.
 
 The API server runs as a cluster's does in the ways the operator depends on: RBAC authorization,
 the default admission plugins, service-account tokens signed with a key of its own (TokenRequest),
@@ -24,10 +25,18 @@ from typing import Any
 
 import yaml
 
-from tests.operator.conftest import REPO
+from tests.operator.conftest import CRD_PATH, REPO, wait_for
 
 BIN = REPO / ".tools" / "k8s"
+KWOK = REPO / ".tools" / "kwok" / "kwok"
+KWOK_CONFIG = Path(__file__).with_name("kwok.yaml")
 KUBECTL = REPO / ".tools" / "kubectl"
+CRD_NAME = "inferenceservices.serving.kvpilot.io"
+# The simulated nodes (kwok.yaml): pods on SIMULATED turn Ready at once; pods on ENGINES run a real
+# engine process (engine_node.py) bound to their pod IP, from the node's loopback range.
+SIMULATED_NODE, ENGINES_NODE = "kwok-0", "kwok-engines"
+NODE_CIDRS = {SIMULATED_NODE: "127.1.0.0/16", ENGINES_NODE: "127.0.2.0/24"}
+ENGINES_TAINT = {"key": "kvpilot.dev/engines", "value": "true", "effect": "NoSchedule"}
 ADMIN_TOKEN = "kvpilot-admin-token"  # noqa: S105 - a loopback test cluster's static tokens
 OPERATOR_TOKEN = "kvpilot-operator-token"  # noqa: S105
 OPERATOR_USER = "kvpilot-operator-admin"  # an operator run with full rights (RBAC tests use the chart's)
@@ -59,9 +68,10 @@ def free_port() -> int:
 class Cluster:
     """The control plane in ``root`` (a fresh folder); ``start()`` returns once the API is ready."""
 
-    def __init__(self, root: Path, controllers: bool = True) -> None:
+    def __init__(self, root: Path, controllers: bool = True, nodes: bool = False) -> None:
         self.root = root
         self.controllers = controllers
+        self.nodes = nodes
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.etcd_port = free_port()
@@ -111,7 +121,40 @@ class Cluster:
             self._spawn(
                 "kube-scheduler", [str(BIN / "kube-scheduler"), *common, f"--secure-port={free_port()}"]
             )
+        if self.nodes:
+            self.start_kwok()
         return self
+
+    def start_kwok(self) -> None:
+        """kwok with the stages of kwok.yaml, managing the nodes it creates here (annotated
+        ``kwok.x-k8s.io/node: fake``); returns once both are Ready."""
+        self._spawn(
+            "kwok",
+            [
+                str(KWOK),
+                f"--config={KWOK_CONFIG}",
+                f"--kubeconfig={self.root / 'admin.kubeconfig'}",
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                "--node-ip=127.0.0.1",
+                f"--server-address=127.0.0.1:{free_port()}",
+            ],
+        )
+        for name, cidr in NODE_CIDRS.items():
+            node = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                    "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "type": "kwok"},
+                },
+                "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
+            }
+            if name == ENGINES_NODE:
+                node["spec"]["taints"] = [ENGINES_TAINT]
+            self.kubectl("apply", "-f", "-", input=json.dumps(node))
+        self.kubectl("wait", "--for=condition=Ready", "--timeout=60s", "node", *NODE_CIDRS)
 
     def start_etcd(self) -> None:
         self._spawn(
@@ -187,7 +230,7 @@ class Cluster:
         self.start_apiserver()
 
     def stop(self) -> None:
-        for name in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
+        for name in ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
             self.stop_process(name)
 
     def tail(self, name: str, chars: int = 3000) -> str:
@@ -244,6 +287,61 @@ class Cluster:
         """An administrator's kubeconfig (the interface of the fake's ``ApiServerThread``)."""
         return self.write_kubeconfig(path, token=ADMIN_TOKEN)
 
+    def identity(self, token: str) -> Identity:
+        """The cluster as ``token``'s holder sees it (what ``OperatorProcess`` takes)."""
+        return Identity(self, token)
+
+    def install_crd(self, *namespaces: str) -> Cluster:
+        """The CRD applied server-side and Established, and ``namespaces`` created."""
+        self.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+        for namespace in namespaces:
+            self.kubectl("create", "namespace", namespace)
+        return self
+
+    def provide_volume(self, namespace: str, claim: str = "models") -> None:
+        """A PersistentVolume and the claim ``claim`` bound to it (kube-controller-manager binds them),
+        so that pods reading a ``pvc://`` model source can be scheduled."""
+        volume = f"{claim}-{namespace}"
+        access = ["ReadOnlyMany", "ReadWriteOnce"]
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": access,
+                "storageClassName": "",
+                "hostPath": {"path": "/tmp"},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        }
+        pvc = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": namespace},
+            "spec": {
+                "accessModes": access,
+                "storageClassName": "",
+                "volumeName": volume,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        }
+        self.kubectl(
+            "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]})
+        )
+        self.kubectl(
+            "wait", "-n", namespace, "--for=jsonpath={.status.phase}=Bound", "--timeout=60s", f"pvc/{claim}"
+        )
+
+    def get(self, namespace: str, what: str) -> dict | None:
+        """``what`` (``kind/name``) in ``namespace`` as JSON, None when it does not exist."""
+        done = self.kubectl("get", "-n", namespace, what, "-o", "json", check=False)
+        return json.loads(done.stdout) if done.returncode == 0 else None
+
+    def wait_exists(self, namespace: str, what: str, timeout: float = 60) -> dict:
+        return wait_for(lambda: self.get(namespace, what), timeout, f"{namespace}/{what}")
+
     def request(
         self, method: str, path: str, body: Any = None, token: str = ADMIN_TOKEN, **headers: str
     ) -> dict:
@@ -291,3 +389,13 @@ class Cluster:
         if check and done.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {done.stderr}")
         return done
+
+
+class Identity:
+    """A kubeconfig with one identity's token, for ``OperatorProcess``."""
+
+    def __init__(self, cluster: Cluster, token: str) -> None:
+        self.cluster, self.token = cluster, token
+
+    def kubeconfig(self, path: Path) -> Path:
+        return self.cluster.write_kubeconfig(path, token=self.token)

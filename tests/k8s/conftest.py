@@ -7,11 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.k8s.cluster import BIN, KUBECTL, Cluster
+from tests.k8s.cluster import BIN, KUBECTL, KWOK, Cluster
 
 
 def require_binaries() -> None:
-    missing = [p for p in (BIN / "kube-apiserver", BIN / "etcd", KUBECTL) if not os.access(p, os.X_OK)]
+    binaries = (BIN / "kube-apiserver", BIN / "etcd", KWOK, KUBECTL)
+    missing = [p for p in binaries if not os.access(p, os.X_OK)]
     if missing:
         message = f"{', '.join(map(str, missing))} missing; run `make k8s-tools test-operator-prereqs`"
         if os.environ.get("KVPILOT_REQUIRE_TOOLS") == "1":
@@ -23,4 +24,12 @@ def require_binaries() -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     require_binaries()
     with Cluster(tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The control plane with kwok's simulated nodes (kwok.yaml), one per module."""
+    require_binaries()
+    with Cluster(tmp_path_factory.mktemp("cluster"), nodes=True) as running:
         yield running

@@ -31,12 +31,7 @@ def expectation(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def crd_installed(cluster: Cluster) -> Cluster:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.serving.kvpilot.io"
-    )
-    cluster.kubectl("create", "namespace", NS)
-    return cluster
+    return cluster.install_crd(NS)
 
 
 def test_the_crd_is_structural_and_its_names_accepted(crd_installed: Cluster):
@@ -109,20 +104,10 @@ def test_printer_columns_and_the_scale_subresource(crd_installed: Cluster):
     crd_installed.kubectl("delete", "-n", NS, f"inferenceservice/{name}", "--wait=true")
 
 
-class _OperatorIdentity:
-    """The cluster as OperatorProcess wants it: a kubeconfig with the operator's own token."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-
-    def kubeconfig(self, path: Path) -> Path:
-        return self.cluster.write_kubeconfig(path, token=OPERATOR_TOKEN)
-
-
 @pytest.fixture(scope="module")
 def operator(crd_installed: Cluster, tmp_path_factory: pytest.TempPathFactory):
     proc = OperatorProcess(
-        _OperatorIdentity(crd_installed),
+        crd_installed.identity(OPERATOR_TOKEN),
         tmp_path_factory.mktemp("operator"),
         [NS],
         ["--resync-interval", "1", "--liveness", ""],
@@ -192,9 +177,7 @@ def test_other_managers_entries_survive_and_cost_no_writes(cluster: Cluster, ope
     the operator's (containers and env are merged by name), and the operator leaves them alone."""
     cluster.kubectl("apply", "-f", "-", input=json.dumps(isvc("neighbours")))
     path = "deployment/neighbours"
-    wait_for(
-        lambda: cluster.kubectl("get", "-n", NS, path, check=False).returncode == 0, 60, "the Deployment"
-    )
+    cluster.wait_exists(NS, path)
     cluster.kubectl(
         "apply",
         "--server-side",
@@ -220,9 +203,7 @@ def test_other_managers_entries_survive_and_cost_no_writes(cluster: Cluster, ope
 def test_an_edit_of_an_owned_field_is_restored_in_one_write(cluster: Cluster, operator: OperatorProcess):
     cluster.kubectl("apply", "-f", "-", input=json.dumps(isvc("edited")))
     path = "deployment/edited"
-    wait_for(
-        lambda: cluster.kubectl("get", "-n", NS, path, check=False).returncode == 0, 60, "the Deployment"
-    )
+    cluster.wait_exists(NS, path)
     wait_passes(cluster, "edited", 2)
     before = len(deployment_writes(cluster, "edited"))
     cluster.kubectl("patch", "-n", NS, path, "--type=merge", "-p", '{"spec":{"replicas":7}}')
@@ -240,11 +221,7 @@ def test_an_edit_of_an_owned_field_is_restored_in_one_write(cluster: Cluster, op
 
 def test_deleting_an_inference_service_collects_its_children(cluster: Cluster, operator: OperatorProcess):
     cluster.kubectl("apply", "-f", "-", input=json.dumps(isvc("doomed")))
-    wait_for(
-        lambda: cluster.kubectl("get", "-n", NS, "deployment/doomed", check=False).returncode == 0,
-        60,
-        "children",
-    )
+    cluster.wait_exists(NS, "deployment/doomed")
     cluster.kubectl("delete", "-n", NS, "inferenceservice/doomed", "--wait=true", "--timeout=60s")
 
     def children() -> list:

@@ -14,44 +14,20 @@ import pytest
 
 from tests.k8s.cluster import OPERATOR_TOKEN, OPERATOR_USER, STANDBY_TOKEN, STANDBY_USER, Cluster
 from tests.k8s.test_control_plane import NS, isvc
-from tests.k8s.test_rbac import _Token
-from tests.operator.conftest import CRD_PATH, OperatorProcess, wait_for
+from tests.operator.conftest import OperatorProcess, wait_for
+from tests.operator.test_leader_failover import DURATION, LEASE, LEASE_NS, RETRY, elected
 from tests.operator.test_operator_kmock import free_port
 
-LEASE_NS = "kvpilot-system"
-DURATION, DEADLINE, RETRY = 3.0, 2.0, 0.25
 WRITES = {"create", "update", "patch", "delete"}
-
-
-def elected(identity: str) -> list[str]:
-    return [
-        "--resync-interval", "1",
-        "--scrape-interval", "0.5",  # the remediation loop's conditions are written before the failover
-        "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
-        "--leader-elect",
-        "--leader-elect-namespace", LEASE_NS,
-        "--leader-elect-identity", identity,
-        "--leader-elect-lease-duration", str(DURATION),
-        "--leader-elect-renew-deadline", str(DEADLINE),
-        "--leader-elect-retry-period", str(RETRY),
-    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def ready_cluster(cluster: Cluster) -> Cluster:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.serving.kvpilot.io"
-    )
-    for namespace in (NS, LEASE_NS):
-        cluster.kubectl("create", "namespace", namespace)
-    return cluster
+    return cluster.install_crd(NS, LEASE_NS)
 
 
 def holder(cluster: Cluster) -> str | None:
-    lease = cluster.request(
-        "GET", f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NS}/leases/kvpilot-operator"
-    )
+    lease = cluster.request("GET", LEASE)
     return (lease.get("spec") or {}).get("holderIdentity")
 
 
@@ -95,14 +71,14 @@ def test_standby_takes_over_a_real_lease_and_nothing_is_written_by_both(
 ):
     cluster = ready_cluster
     tmp = tmp_path_factory.mktemp("leader")
-    a = OperatorProcess(_Token(cluster, OPERATOR_TOKEN), tmp, [NS], elected("a"))
+    a = OperatorProcess(cluster.identity(OPERATOR_TOKEN), tmp, [NS], elected("a", free_port()))
     b = None
     try:
         wait_for(lambda: holder(cluster) == "a", 60, "a to take the Lease")
         cluster.kubectl("apply", "-f", "-", input=json.dumps(isvc("first")))
         wait_for(lambda: exists(cluster, "deployment/first"), 60, "a to reconcile 'first'")
         settled(cluster, OPERATOR_USER)
-        b = OperatorProcess(_Token(cluster, STANDBY_TOKEN), tmp, [NS], elected("b"))
+        b = OperatorProcess(cluster.identity(STANDBY_TOKEN), tmp, [NS], elected("b", free_port()))
         wait_for(lambda: "standing by for Lease" in b.log, 60, "b to stand by")
         lease_reads = len([e for e in cluster.audit(STANDBY_USER, resource="leases") if e["verb"] == "get"])
         wait_for(
@@ -151,7 +127,7 @@ def test_watches_cut_by_an_api_server_restart_resume_and_miss_no_change(
 ):
     cluster = ready_cluster
     proc = OperatorProcess(
-        _Token(cluster, OPERATOR_TOKEN), tmp_path_factory.mktemp("watch"), [NS], ["--resync-interval", "300"]
+        cluster.identity(OPERATOR_TOKEN), tmp_path_factory.mktemp("watch"), [NS], ["--resync-interval", "300"]
     )
     try:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(isvc("watched")))

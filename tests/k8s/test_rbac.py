@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,7 +14,7 @@ import yaml
 from kvpilot.operator.api import names
 from tests.k8s.cluster import Cluster
 from tests.k8s.test_control_plane import NS, isvc
-from tests.operator.conftest import CHART, CRD_PATH, OperatorProcess, find_tool, wait_for
+from tests.operator.conftest import CHART, OperatorProcess, find_tool, wait_for
 
 RELEASE, RELEASE_NS = "kv", "kvpilot-system"
 SA_USER = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}-kvpilot"
@@ -39,22 +38,9 @@ def chart_rbac() -> list[dict]:
     ]
 
 
-class _Token:
-    def __init__(self, cluster: Cluster, token: str) -> None:
-        self.cluster, self.token = cluster, token
-
-    def kubeconfig(self, path: Path) -> Path:
-        return self.cluster.write_kubeconfig(path, token=self.token)
-
-
 @pytest.fixture(scope="module")
 def rbac(cluster: Cluster) -> list[dict]:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.serving.kvpilot.io"
-    )
-    cluster.kubectl("create", "namespace", RELEASE_NS)
-    cluster.kubectl("create", "namespace", NS)
+    cluster.install_crd(RELEASE_NS, NS)
     docs = chart_rbac()
     cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
     return docs
@@ -67,7 +53,7 @@ def operator(cluster: Cluster, rbac: list[dict], tmp_path_factory: pytest.TempPa
     ).stdout.strip()
     # The chart's scope (every namespace) and a fast resync; no liveness or metrics ports here.
     proc = OperatorProcess(
-        _Token(cluster, token),
+        cluster.identity(token),
         tmp_path_factory.mktemp("operator"),
         [],
         ["--all-namespaces", "--resync-interval", "1"],
@@ -88,11 +74,7 @@ def ready(cluster: Cluster, name: str) -> dict | None:
 
 def test_the_chart_role_is_enough_and_nothing_is_refused(cluster: Cluster, operator: OperatorProcess):
     cluster.kubectl("apply", "-f", "-", input=json.dumps(isvc("granted")))
-    wait_for(
-        lambda: cluster.kubectl("get", "-n", NS, "deployment/granted", check=False).returncode == 0,
-        60,
-        "Deployment",
-    )
+    cluster.wait_exists(NS, "deployment/granted")
     for kind in ("service", "poddisruptionbudget"):
         cluster.kubectl("get", "-n", NS, f"{kind}/granted")
     wait_for(
