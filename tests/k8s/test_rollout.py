@@ -135,7 +135,11 @@ def test_a_spec_change_rolls_out_through_replica_sets_and_status_follows(
 def operator_series(operator: OperatorProcess, name: str) -> list[str]:
     with urllib.request.urlopen(operator.metrics_url, timeout=10) as response:  # noqa: S310 - loopback
         text = response.read().decode()
-    return [line for line in text.splitlines() if not line.startswith("#") and f'inferenceservice="{name}"' in line]
+    return [
+        line
+        for line in text.splitlines()
+        if not line.startswith("#") and f'inferenceservice="{name}"' in line
+    ]
 
 
 def pod_lists(cluster: Cluster) -> int:
