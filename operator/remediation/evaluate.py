@@ -14,8 +14,9 @@ Remediation owns these status fields (the reconciler owns the rest, see ``reconc
     recommendations                          Recommend: the proposed changes (last 20, newest first)
 
 Writes are kept rare: numbers are rounded (rates to 2 significant digits, KV usage to percent),
-``signals.sampledAt`` moves only when a value changed or the last one is older than
-``SIGNALS_REFRESH_S``, and nothing is written for an InferenceService whose pods were never ready.
+``signals.sampledAt`` moves only when a value changed (``windowSeconds`` alone does not count) or the
+last one is older than ``SIGNALS_REFRESH_S``, and nothing is written for an InferenceService whose
+pods were never ready.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def signals_of(window: MetricWindow) -> dict[str, Any]:
     if not window.is_complete:
         out["notActing"] = "; ".join(window.problems or ("no data",))[:1024]
     return out
+
+
+def _material(signals: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in signals.items() if k != "windowSeconds"}
 
 
 def capacity_status(window: MetricWindow) -> dict[str, Any] | None:
@@ -253,7 +258,9 @@ def evaluate(
         have = dict(status.get("signals") or {})
         sampled = have.pop("sampledAt", None)
         fresh = sampled is not None and now - parse_time(sampled) < SIGNALS_REFRESH_S
-        if have != signals or not fresh:
+        # The span the samples cover moves with scrape timing (30 s, 31 s, 30 s...): alone it is not
+        # worth a write, it goes with the next one.
+        if _material(have) != _material(signals) or not fresh:
             patch["signals"] = {**signals, "sampledAt": format_time(window.end)}
             if "notActing" in have and "notActing" not in signals:
                 patch["signals"]["notActing"] = None  # a merge patch removes a key only by null

@@ -13,6 +13,12 @@ entry per (manager, operation), as on a real API server:
   conflict (409) unless ``force``, which moves the leaf to M.
 
 System metadata, ``apiVersion``, ``kind`` and ``status`` are nobody's fields here.
+
+Where this model would disagree with a real API server it refuses instead: a real server merges the
+lists marked ``x-kubernetes-list-type: map`` (containers, env, ports, volumes, ...) item by item by
+their keys, so two managers can each own entries of one list. Here a list is one leaf, so an apply
+that sends such a list while another manager owns it with other items raises
+:class:`KeyedListNotModelled`: that behaviour is tested on the real control plane (tests/k8s).
 """
 
 from __future__ import annotations
@@ -61,6 +67,44 @@ class FieldConflict(Exception):
                 "; ".join(f'conflict with "{manager}": .{".".join(path)}' for path, manager in conflicts),
             )
         )
+
+
+# Lists a real API server merges by key (the built-in kinds' list-map fields this fake is used with).
+KEYED_LISTS = frozenset(
+    {"containers", "initContainers", "ephemeralContainers", "env", "ports", "volumes", "volumeMounts",
+     "volumeDevices", "imagePullSecrets", "hostAliases", "topologySpreadConstraints", "resourceClaims"}
+)  # fmt: skip
+
+
+class KeyedListNotModelled(Exception):
+    """An apply would drop items another manager put in a list a real API server merges by key."""
+
+
+def _item_key(item: Any) -> Any:
+    if not isinstance(item, dict):
+        return repr(item)
+    for key in ("name", "mountPath", "devicePath", "ip"):
+        if key in item:
+            return item[key]
+    if "containerPort" in item:
+        return (item["containerPort"], item.get("protocol", "TCP"))
+    return repr(sorted(item.items()))
+
+
+def _items_dropped(live: Any, sent: Any) -> bool:
+    """Whether ``live`` (a keyed list) has an item, or a nested keyed list's item, ``sent`` lacks."""
+    if not isinstance(live, list) or not isinstance(sent, list):
+        return False
+    by_key = {_item_key(item): item for item in sent}
+    for item in live:
+        match = by_key.get(_item_key(item))
+        if match is None:
+            return True
+        if isinstance(item, dict) and isinstance(match, dict):
+            for key, value in item.items():
+                if key in KEYED_LISTS and _items_dropped(value, match.get(key) or []):
+                    return True
+    return False
 
 
 def leaves(obj: dict[str, Any]) -> dict[Path, Any]:
@@ -189,6 +233,19 @@ def apply(
         for path in paths & set(sent)
         if live.get(path) != sent[path]
     )
+    shared = sorted(
+        (path, other)
+        for (other, _), paths in owners.items()
+        if other != manager
+        for path in paths & set(sent)
+        if path[-1] in KEYED_LISTS and _items_dropped(live.get(path), sent[path])
+    )
+    if shared:
+        path, other = shared[0]
+        raise KeyedListNotModelled(
+            f"{manager} applies .{'.'.join(path)} without items {other} has in it: a real API server "
+            "merges that list by key and keeps them; not modelled here (see tests/k8s)"
+        )
     if conflicts and not force:
         raise FieldConflict(conflicts)
     others = set().union(*(p for (m, _), p in owners.items() if m != manager)) if owners else set()

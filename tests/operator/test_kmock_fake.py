@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from kvpilot.operator.api import names
+from tests.operator import kmock_fields
 from tests.operator.conftest import BASE_ISVC
 
 NS = "fake"
@@ -167,6 +168,32 @@ def test_apply_over_another_managers_value_conflicts_unless_forced(api):
     apply(api, "ssa-conflict", {"a": "1"}, "other")
     assert set(owned(api.get(path))) == {"op/Apply", "other/Apply"}
     api.delete(path)
+
+
+def deployment(*containers: dict) -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "ns"},
+        "spec": {"template": {"spec": {"containers": list(containers)}}},
+    }
+
+
+def test_an_apply_that_would_drop_another_managers_list_items_is_refused():
+    """Where the fake's atomic lists would disagree with a real API server (which merges containers
+    and env by name), it refuses rather than answer wrongly."""
+    engine = {"name": "engine", "image": "a"}
+    ours = deployment(engine)
+    live = kmock_fields.apply(None, ours, "op", force=True)
+    injected = {**engine, "env": [{"name": "INJECTED", "value": "1"}]}
+    for theirs in (deployment(engine, {"name": "mesh-proxy", "image": "p"}), deployment(injected)):
+        neighboured = kmock_fields.record_update(live, theirs, "mesh-injector")
+        with pytest.raises(kmock_fields.KeyedListNotModelled, match=r"spec\.template\.spec\.containers"):
+            kmock_fields.apply(neighboured, ours, "op", force=True)
+    # What it does model stays: a hand edit of the operator's container is taken back by a forced apply.
+    edited = kmock_fields.record_update(live, deployment({**engine, "image": "b"}), "kubectl-set")
+    restored = kmock_fields.apply(edited, ours, "op", force=True)
+    assert restored["spec"]["template"]["spec"]["containers"] == [engine]
 
 
 def test_resource_version_preconditions(api):

@@ -241,8 +241,8 @@ def test_hand_edits_of_the_engine_deployment_are_restored_with_one_write(api, op
         live = api.get(path)["spec"]["template"]["spec"]["containers"][0]
         return live if (live["image"], live["args"], live.get("env")) == wanted else None
 
-    # (An env var another manager adds is not the operator's to remove: on a real API server it
-    # survives the apply, as tests/k8s/test_control_plane.py shows; the fake's lists are atomic.)
+    # (An env var or sidecar another manager adds survives the operator's apply on a real API server,
+    # as tests/k8s/test_control_plane.py shows; the fake refuses such an apply rather than model it.)
     wait_for(restored, what="the image and args restored")
     # A second drift, repaired by a later pass: proof that the passes after the first repair found
     # nothing more to write there (a write loop would show as extra writes).

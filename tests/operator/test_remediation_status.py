@@ -11,7 +11,7 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.patch import merge_patch
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.timefmt import format_time
-from kvpilot.operator.remediation.evaluate import SIGNALS_REFRESH_S, evaluate
+from kvpilot.operator.remediation.evaluate import SIGNALS_REFRESH_S, evaluate, signals_of
 from kvpilot.operator.remediation.pods import (
     RECENT_FAILURE_S,
     UNSCHEDULABLE_GRACE_S,
@@ -23,7 +23,7 @@ from kvpilot.operator.remediation.pods import (
 )
 from kvpilot.operator.remediation.window import MetricWindow
 from tests.operator.crd_schema import schema_errors
-from tests.operator.test_policy import DEMAND, IDLE, NOW, STORM, isvc, window
+from tests.operator.test_policy import DEMAND, IDLE, NOW, STORM, WINDOW_S, isvc, window
 
 
 def status_of(obj: dict) -> dict:
@@ -91,6 +91,20 @@ def test_an_unchanged_evaluation_writes_nothing():
     much_later = dataclasses.replace(STORM, end=end, start=end - 120)
     _, update = evaluate(resolve(obj), much_later, NOW + SIGNALS_REFRESH_S + 1)
     assert set(update.patch) == {"signals"}
+
+
+def test_a_window_a_second_longer_or_shorter_writes_nothing():
+    """The span the samples cover moves with scrape timing; on a real API server with 200
+    InferenceServices that alone cost a status write per tick for one in five of them."""
+    _, _, obj = run(isvc(), IDLE)
+    for span in (WINDOW_S - 1, WINDOW_S + 1):
+        jittered = dataclasses.replace(IDLE, end=NOW + 10, start=NOW + 10 - span)
+        assert signals_of(jittered)["windowSeconds"] != status_of(obj)["signals"]["windowSeconds"]
+        _, update = evaluate(resolve(obj), jittered, NOW + 10)
+        assert update.patch is None, update.patch
+    # Any other signal that moves is written.
+    busier = dataclasses.replace(IDLE, end=NOW + 10, start=NOW + 10 - WINDOW_S, running=7)
+    assert set(evaluate(resolve(obj), busier, NOW + 10)[1].patch) == {"signals"}
 
 
 def test_recommend_writes_recommendations_and_never_overrides(crd_schema):
