@@ -46,6 +46,7 @@ except ImportError:  # run as a script: put the repository root on the path
     from tests.k8s.cluster import OPERATOR_TOKEN, OPERATOR_USER, Cluster
 
 from kvpilot.operator.api import names
+from tests.k8s.test_control_plane import isvc as cluster_test_isvc
 from tests.operator.conftest import OperatorProcess, wait_for
 from tests.operator.test_operator_kmock import free_port
 from tests.operator.test_operator_scale import vllm_sized_engine
@@ -57,19 +58,12 @@ WINDOW_S = 30.0
 
 
 def isvc(name: str, max_num_seqs: int) -> dict[str, Any]:
-    return {
-        "apiVersion": names.API_VERSION,
-        "kind": names.KIND,
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "model": {"source": "pvc://models/tiny"},
-            "image": "kvpilot/engine:test",
-            "replicas": 1,
-            "resources": {"cpu": "1", "memory": "1Gi"},
-            "engine": {"maxNumSeqs": max_num_seqs, "maxModelLen": 256, "maxNumBatchedTokens": 256},
-            "remediation": {"mode": "Recommend", "window": f"{WINDOW_S:g}s"},
-        },
-    }
+    """The cluster tests' InferenceService, in this namespace, remediation in mode Recommend."""
+    body = cluster_test_isvc(name)
+    body["metadata"]["namespace"] = NS
+    body["spec"]["engine"]["maxNumSeqs"] = max_num_seqs
+    body["spec"]["remediation"] = {"mode": "Recommend", "window": f"{WINDOW_S:g}s"}
+    return body
 
 
 class PodEndpoints:
@@ -168,6 +162,19 @@ def serve_pod_ips(cluster: Cluster, endpoints: PodEndpoints) -> int:
     return len(pods)
 
 
+def converge(cluster: Cluster, endpoints: PodEndpoints, services: int, generation: int) -> float:
+    """Seconds until every InferenceService is Ready on ``generation`` (new pod IPs served meanwhile)."""
+    began = time.monotonic()
+    while True:
+        serve_pod_ips(cluster, endpoints)
+        counts = phases(cluster, generation)
+        if counts["Ready"] == services:
+            return time.monotonic() - began
+        if time.monotonic() - began > 900:
+            raise SystemExit(f"generation {generation} not Ready after 900 s: {dict(counts)}")
+        time.sleep(1)
+
+
 def run(services: int, steady_ticks: int, root: Path) -> dict[str, Any]:
     with Cluster(root, nodes=True) as cluster:
         cluster.install_crd(NS)
@@ -195,17 +202,8 @@ def run(services: int, steady_ticks: int, root: Path) -> dict[str, Any]:
                 "kind": "List",
                 "items": [isvc(f"svc-{i:03d}", 8) for i in range(services)],
             }
-            began = time.monotonic()
             cluster.kubectl("apply", "-f", "-", input=json.dumps(listing))
-            while True:
-                serve_pod_ips(cluster, endpoints)
-                counts = phases(cluster, 1)
-                if counts["Ready"] == services:
-                    break
-                if time.monotonic() - began > 900:
-                    raise SystemExit(f"not converged after 900 s: {dict(counts)}")
-                time.sleep(1)
-            create_to_ready = time.monotonic() - began
+            create_to_ready = converge(cluster, endpoints, services, 1)
             rss_converged = rss_mib(operator.proc.pid)
             print(f"{services} InferenceServices Ready in {create_to_ready:.1f}s; RSS {rss_converged} MiB")
 
@@ -215,7 +213,7 @@ def run(services: int, steady_ticks: int, root: Path) -> dict[str, Any]:
             wait_for(lambda: reporting(cluster) == services, WINDOW_S * 6 + 120, "every window filled")
             window_fill = time.monotonic() - began
             ticks_before = histogram(operator_metrics(), "kvpilot_operator_tick_duration_seconds")["count"]
-            audit_before = len(cluster.audit(OPERATOR_USER))
+            audit_before, steady_began = len(cluster.audit(OPERATOR_USER)), time.monotonic()
             wait_for(
                 lambda: (
                     histogram(operator_metrics(), "kvpilot_operator_tick_duration_seconds")["count"]
@@ -225,6 +223,7 @@ def run(services: int, steady_ticks: int, root: Path) -> dict[str, Any]:
                 "the steady ticks",
             )
             steady = cluster.audit(OPERATOR_USER)[audit_before:]
+            steady_s = time.monotonic() - steady_began
             text = operator_metrics()
             ticks = histogram(text, "kvpilot_operator_tick_duration_seconds")
             ticks_seen = ticks["count"] - ticks_before
@@ -245,15 +244,7 @@ def run(services: int, steady_ticks: int, root: Path) -> dict[str, Any]:
                     "-p", '{"spec":{"engine":{"maxNumSeqs":16}}}',
                 )  # fmt: skip
             patched = time.monotonic() - began
-            while True:
-                serve_pod_ips(cluster, endpoints)
-                counts = phases(cluster, 2)
-                if counts["Ready"] == services:
-                    break
-                if time.monotonic() - began > 900:
-                    raise SystemExit(f"rollout not done after 900 s: {dict(counts)}")
-                time.sleep(1)
-            rollout = time.monotonic() - began
+            rollout = patched + converge(cluster, endpoints, services, 2)
             text = operator_metrics()
             return {
                 "inference_services": services,
@@ -265,7 +256,12 @@ def run(services: int, steady_ticks: int, root: Path) -> dict[str, Any]:
                 "tick": ticks,
                 "steady_ticks": ticks_seen,
                 "steady_requests_per_tick": {k: round(v / ticks_seen, 1) for k, v in sorted(by_verb.items())},
+                "steady_s": round(steady_s, 1),
                 "steady_writes": dict(writes),
+                # signals.sampledAt is refreshed once a minute by design (SIGNALS_REFRESH_S).
+                "steady_writes_per_service_per_min": round(
+                    sum(writes.values()) / services / steady_s * 60, 2
+                ),
                 "steady_write_sample": [e.get("requestObject") for e in steady if e["verb"] == "patch"][:3],
                 "window_s": WINDOW_S,
                 "windows_filled_s": round(window_fill, 1),
