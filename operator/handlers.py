@@ -19,7 +19,6 @@ operator is not running. The operator needs none: children go away through their
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from typing import Any
@@ -36,6 +35,7 @@ from kvpilot.operator.remediation.loop import Autotuner
 
 ISVC = (names.GROUP, names.VERSION, names.PLURAL)
 LOG = logging.getLogger("kvpilot.operator")
+CLEANUP_S = 5.0  # how long the cleanup waits for a cancelled task, twice at most
 
 
 def _login(settings: kopf.OperatorSettings, logger: logging.Logger | Any = LOG) -> Any:
@@ -115,11 +115,19 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-        """Stop the resync and remediation tasks and close the clients."""
-        for task in (memo.resync, memo.remediation):
+        """Stop the resync and remediation tasks (within a bound: a task that outlives two cancels is
+        logged and left) and close the clients."""
+        tasks = [t for t in (memo.resync, memo.remediation) if t is not None]
+        for task in tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        _, pending = await asyncio.wait(tasks, timeout=CLEANUP_S)
+        if pending:
+            LOG.warning(f"{len(pending)} task(s) still running {CLEANUP_S:g}s after cancel: cancelling again")
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=CLEANUP_S)
+            for task in pending:
+                LOG.error(f"task {task.get_name()} ignored two cancels; exiting without it")
         await memo.autotuner.close()
         await memo.kube.close()
         if memo.metrics_server is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from kvpilot.operator.aio import wait_event
 from kvpilot.operator.api import names
 from kvpilot.operator.api.rest import ApiError, object_path, path_of
 
@@ -78,7 +79,8 @@ class KubeClient:
         self, method: str, path: str, params: dict[str, str] | None, body: Any, content_type: str
     ) -> dict[str, Any]:
         """The transport under :meth:`request` (an HTTP session to the API server)."""
-        await asyncio.wait_for(self._ready.wait(), REQUEST_TIMEOUT_S)
+        if not await wait_event(self._ready, REQUEST_TIMEOUT_S):
+            raise TimeoutError(f"no credentials after {REQUEST_TIMEOUT_S}s")
         for attempt in (1, 2):
             if self._session is None or self._session.closed:
                 self._session = self._open()

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvpilot.operator.aio import wait_event
 from kvpilot.operator.api.rest import ApiError
 
 LOG = logging.getLogger("kvpilot.operator.leader")
@@ -191,8 +192,7 @@ class LeaderElector:
         while not stop.is_set():
             if await self._attempt():
                 return True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.retry_period)
+            await wait_event(stop, self.config.retry_period)
         return False
 
     async def hold(self) -> None:

@@ -19,12 +19,15 @@ every call. The results are bit for bit those of ``F.linear``; the plain weight 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LOG = logging.getLogger("kvpilot.engine")
 
 # Names the parts of a fused parameter: "q", "k", "v" of qkv_proj, 0 and 1 of gate_up_proj.
 ShardId = str | int | None
@@ -120,18 +123,28 @@ def prepack_cpu_linears(model: nn.Module, batch_hint: int = 64) -> int:
     """Give every linear layer of ``model`` whose weight ``can_prepack`` a oneDNN-packed copy of it
     (``batch_hint``: the token count the layout is chosen for; any count runs). Call after the weights
     are loaded; a later weight change needs another call. Returns the bytes the copies take."""
-    total = 0
+    total = unpacked = 0
     # An embedding table is a matmul operand only where it serves as the (tied) output projection.
     tied_head = getattr(model, "embed_tokens", None) if getattr(model, "lm_head", False) is None else None
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             module.packed_weight = None
             is_matmul = not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead)
-            if (is_matmul or module is tied_head) and can_prepack(module.weight):
+            if not (is_matmul or module is tied_head):
+                continue
+            if can_prepack(module.weight):
                 module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
                     module.weight.detach(), batch_hint
                 )
                 total += module.weight.numel() * module.weight.element_size()
+            elif module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16:
+                unpacked += 1
+    if unpacked:
+        LOG.warning(
+            "bfloat16 linears run unpacked (%d layers): this torch's oneDNN packed linear is missing or "
+            "does not match F.linear on this CPU",
+            unpacked,
+        )
     return total
 
 

@@ -27,7 +27,6 @@ for the engine Deployment the operator renders (``render.builders.build_deployme
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 import uuid
@@ -37,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from kvpilot.operator.aio import wait_event
 from kvpilot.operator.api import names
 from kvpilot.operator.api.rest import object_path
 from kvpilot.operator.api.timefmt import format_time
@@ -108,8 +108,7 @@ class LocalKubelet:
         while True:
             self.api.changed.clear()
             await self.sync()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.api.changed.wait(), SYNC_INTERVAL_S)
+            await wait_event(self.api.changed, SYNC_INTERVAL_S)
 
     async def sync(self) -> None:
         """One pass: reap exits, restart after back-off, probe, roll out, publish Pods and status."""

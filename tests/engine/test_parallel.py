@@ -75,12 +75,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _wait_until(predicate, timeout_s: float) -> float:
+def _wait_until(predicate, guard_s: float = 60.0) -> None:
+    """Poll until ``predicate`` holds; ``guard_s`` only ends a wait that would never end (the thing
+    waited for does not happen without the mechanism under test): no speed is asserted."""
     t0 = time.monotonic()
     while not predicate():
-        assert time.monotonic() - t0 < timeout_s, f"not within {timeout_s} s"
+        assert time.monotonic() - t0 < guard_s, f"never happened ({guard_s} s)"
         time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -280,8 +281,8 @@ def test_idle_worker_death_turns_health_503_and_fails_the_next_step(budget_engin
         try:
             assert ae.is_healthy
             os.kill(pid, signal.SIGKILL)
-            waited = await asyncio.to_thread(_wait_until, lambda: not ae.is_healthy, 5.0)
-            assert waited < 5.0
+            # No request is in flight: only the engine's watch on its workers can notice the death.
+            await asyncio.to_thread(_wait_until, lambda: not ae.is_healthy)
             assert "WorkerDiedError" in ae.health_detail and "killed by SIGKILL" in ae.health_detail
         finally:
             ae.shutdown()
@@ -308,14 +309,21 @@ def test_worker_killed_mid_generation_fails_fast(tiny_llama):
         running = threading.Event()
         # After a few steps, with hundreds to go: kill the worker from another thread, most likely while
         # a step is in flight (stage 0 sending to it, or the driver waiting for its sampled tokens).
-        llm.llm_engine.stat_loggers.append(lambda sched, it: running.set() if it.num_running_seqs else None)
-        killed_at = []
+        killed, steps_after_kill = threading.Event(), []
+
+        def step_done(sched, it) -> None:
+            if it.num_running_seqs:
+                running.set()
+            if killed.is_set():
+                steps_after_kill.append(1)
+
+        llm.llm_engine.stat_loggers.append(step_done)
 
         def kill():
             running.wait(60)
             time.sleep(0.003)
-            killed_at.append(time.monotonic())
             os.kill(pid, signal.SIGKILL)
+            killed.set()
 
         killer = threading.Thread(target=kill)
         killer.start()
@@ -324,7 +332,9 @@ def test_worker_killed_mid_generation_fails_fast(tiny_llama):
                 llm.generate(prompts, params)
         finally:
             killer.join()
-        assert time.monotonic() - killed_at[0] < 5.0, "the step in flight fails within seconds"
+        # The step in flight (or, if the kill fell between two, the next one) fails: no step after it
+        # completes, and none waits for a collective's timeout (that error would name no rank).
+        assert len(steps_after_kill) <= 1, f"{len(steps_after_kill)} steps completed after the kill"
         assert "pipeline stage 1" in str(err.value)
 
 
@@ -410,7 +420,7 @@ def test_killed_driver_takes_its_workers_down(tiny_llama):
         assert not _gone(worker_pid)
         driver.kill()
         driver.wait()
-        _wait_until(lambda: _gone(worker_pid), 5.0)
+        _wait_until(lambda: _gone(worker_pid))  # the worker dies with its driver
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -3,11 +3,16 @@ token count, padded to a bucket or not, with and without bias; only bfloat16 CPU
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.engine.models import layers
 from kvpilot.engine.models.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -18,11 +23,45 @@ from kvpilot.engine.models.layers import (
     token_bucket,
 )
 
-pytestmark = pytest.mark.skipif(
-    not can_prepack(torch.zeros(2, 2, dtype=torch.bfloat16)), reason="this torch has no oneDNN bf16 linear"
-)
+# oneDNN ISA caps that still allow its native bfloat16 kernels (ONEDNN_MAX_CPU_ISA; unset: no cap).
+NATIVE_BF16_CAPS = {
+    *("", "ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX"),
+    *("AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16"),
+}
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX) and oneDNN may use it: read
+    from the machine, not from the code under test."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    lines = info.splitlines()
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in NATIVE_BF16_CAPS
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags)) and not capped
+
+
+NATIVE = native_bf16()
+needs_native = pytest.mark.skipif(not NATIVE, reason="no native bfloat16 here: the linears run unpacked")
+
+
+def test_packing_is_on_exactly_where_the_cpu_has_native_bf16():
+    """A padding or bucketing regression in ``linear`` turns packing off (its probe fails): on a CPU
+    with native bfloat16 that is a failure here, not a skip."""
+    assert can_prepack(torch.zeros(2, 2, dtype=torch.bfloat16)) is NATIVE
+
+
+def test_the_engine_says_when_the_linears_run_unpacked(monkeypatch, caplog):
+    monkeypatch.setattr(layers, "_PREPACK_OK", False)
+    model = nn.Sequential(ColumnParallelLinear(8, {None: (8, 0)}, bias=False)).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="kvpilot.engine"):
+        assert prepack_cpu_linears(model) == 0
+    assert "bfloat16 linears run unpacked (1 layers)" in caplog.text
+
+
+@needs_native
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 17, 64, 300])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (1280, 768), (40, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -46,6 +85,7 @@ def test_token_buckets_cover_and_bound():
     assert len(seen) <= 5 + 15 + 15  # a few dozen shapes in all, not one per token count
 
 
+@needs_native
 def test_prepack_packs_bf16_cpu_linears_only():
     class Two(nn.Module):
         def __init__(self):
@@ -68,6 +108,7 @@ def test_prepack_packs_bf16_cpu_linears_only():
         assert torch.equal(model.row(h), F.linear(h, model.row.weight, model.row.bias))
 
 
+@needs_native
 def test_long_prefill_mlp_in_passes_matches_one_pass():
     """A CPU MLP over more than ``CPU_PASS_ROWS`` tokens runs in passes of rows; every row's output is
     the one-pass output (rows are independent; only oneDNN's kernel choice per row count may move the

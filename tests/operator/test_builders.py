@@ -352,7 +352,7 @@ def test_service_monitor_only_when_enabled(make_isvc):
 def test_every_child_is_a_valid_kubernetes_object(make_isvc, spec, version):
     isvc = make_isvc(**spec)
     for child in build_children(resolve(isvc)):
-        assert kubernetes_validate.validate(child, version, strict=True)
+        kubernetes_validate.validate(child, version, strict=True)  # raises ValidationError
 
 
 def test_pdb_and_service_ignore_engine_changes(make_isvc):
@@ -383,7 +383,7 @@ def test_engine_pod_extras_are_appended_after_the_managed_ones(make_isvc, crd_sc
     pod = deployment["spec"]["template"]["spec"]
     assert pod["volumes"] == plain_deployment["spec"]["template"]["spec"]["volumes"] + EXTRAS["extraVolumes"]
     assert container["env"][-1] == {"name": "NCCL_DEBUG", "value": "INFO"}
-    assert kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)  # raises ValidationError
     # The pod template changes, so the hash that triggers a rollout does too.
     assert content_hash(deployment) != content_hash(plain_deployment)
 

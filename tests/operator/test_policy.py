@@ -487,7 +487,7 @@ def test_flapping_windows_change_at_most_once_per_cooldown_and_never_reverse_qui
     obj = isvc(replicas=2)
     decisions = simulate([DEMAND if i % 2 else IDLE for i in range(60)], obj)
     changes = [(i, d.lever) for i, d in enumerate(decisions) if d.action == "apply"]
-    assert changes, "the scenario must make the policy act at all"
+    assert len(changes) >= 2, f"the scenario must make the policy act more than once: {changes}"
     for (i, a), (j, b) in zip(changes, changes[1:], strict=False):
         assert (j - i) * 60 >= COOLDOWN_S
         if a == "addReplica" and b == "removeReplica":

@@ -28,7 +28,7 @@ def test_render_example_in_process(capsys):
     isvc = yaml.safe_load(EXAMPLE.read_text())
     assert documents == build_children(resolve(isvc))
     for document in documents:
-        assert kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(document, K8S_VERSION, strict=True)  # raises ValidationError
         assert "ownerReferences" not in document["metadata"]  # a file has no uid to point at
 
 

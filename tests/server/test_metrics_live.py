@@ -5,7 +5,9 @@ disconnect free the KV blocks; a full waiting queue answers 503 with Retry-After
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import urllib.parse
 import uuid
 
 import httpx
@@ -224,18 +226,27 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
 
 
 def test_non_streaming_client_timeout_aborts(server):
+    """A client that gives up on a non-streaming request (its timeout, a closed connection) aborts it.
+    The connection is closed once the request is seen running, not after a guessed delay: a request
+    that had not reached the engine yet would abort in the queue, not while it runs."""
     before = server.metrics()
-    with pytest.raises(httpx.TimeoutException):
-        server.post(
-            "/v1/chat/completions",
-            timeout=0.5,
-            json={
-                "model": MODEL_NAME,
-                "messages": [{"role": "user", "content": "write a novel"}],
-                "max_tokens": 1900,
-                "ignore_eos": True,
-            },
+    body = json.dumps(
+        {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "write a novel"}],
+            "max_tokens": 1900,
+            "ignore_eos": True,
+        }
+    ).encode()
+    address = urllib.parse.urlsplit(server.url)
+    headers = "".join(f"{k}: {v}\r\n" for k, v in server.headers().items())
+    with socket.create_connection((address.hostname, address.port)) as sock:
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\n{headers}"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
         )
+        server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 1, timeout_s=ABORT_WAIT_S)
+    # The client is gone (the socket closed) while its request runs.
     server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 0, timeout_s=ABORT_WAIT_S)
     server.wait_metric(names.KV_CACHE_USAGE_PERC, lambda v: v == 0.0, timeout_s=ABORT_WAIT_S)
     after = server.metrics()
