@@ -243,7 +243,8 @@ def test_non_streaming_client_timeout_aborts(server):
     with socket.create_connection((address.hostname, address.port)) as sock:
         sock.sendall(
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\n{headers}"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
         )
         server.wait_metric(names.NUM_REQUESTS_RUNNING, lambda v: v == 1, timeout_s=ABORT_WAIT_S)
     # The client is gone (the socket closed) while its request runs.
