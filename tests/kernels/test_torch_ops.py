@@ -40,6 +40,23 @@ def test_paged_attention_matches_dense_reference(kind, heads, dtype):
     assert_close(out, naive_attention(batch), DTYPES[dtype], f"{kind} {heads} d={head_size} bs={block_size}")
 
 
+def kernel_head_sizes() -> list[int]:
+    """Every head size the CPU and Triton kernel matrices compare with ``torch_ops``: the reference
+    must itself be checked against float64 at each of them."""
+    from tests.kernels import test_cpu_ops, triton_cases
+
+    cases = (*test_cpu_ops.CASES, *triton_cases.ATTENTION_CASES)
+    return sorted({case["head_size"] for case in cases} | set(HEAD_SIZES))
+
+
+@pytest.mark.parametrize("head_size", kernel_head_sizes())
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_head_size_the_kernels_use_matches_dense_reference(head_size, dtype):
+    batch = make_paged_batch(batch_spans("mixed", 16), 8, 2, head_size, 16, DTYPES[dtype], seed=head_size)
+    out = torch_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata, batch.scale)
+    assert_close(out, naive_attention(batch), DTYPES[dtype], f"mixed gqa4 d={head_size}")
+
+
 def test_decode_chunks_sorted_by_length_with_masks(monkeypatch):
     """Tiny chunks: decodes of shuffled lengths regroup into several chunks (index rows, masks)."""
     block_size = 8
