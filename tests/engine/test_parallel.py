@@ -37,6 +37,7 @@ from kvpilot.engine.parallel import WorkerDiedError, validate_parallel_sizes
 from kvpilot.engine.parallel.worker import encode
 
 from ..conftest import build_checkpoint
+from .hf_reference import HFGreedy
 
 # Tiny pool (as in test_memory_pressure): 16 blocks of 8 tokens for 24 requests of up to 64 tokens.
 TINY_POOL = dict(block_size=8, num_gpu_blocks_override=16, max_model_len=128, max_num_batched_tokens=64)
@@ -187,6 +188,11 @@ def test_replicated_kv_head_biases_tied_and_padded_vocabulary(tmp_path, tokenize
         tokens, logprobs = _generate(llm, prompts, params)
         reports = llm.llm_engine.executor.reports
     assert tokens == expected
+    # And both are transformers' own greedy continuations (the reference is not this engine).
+    hf = HFGreedy(model_dir)
+    for i, (prompt, param, ours) in enumerate(zip(prompts, params, tokens, strict=True)):
+        if param.temperature == 0.0:
+            assert ours == [hf(prompt, param.max_tokens)], f"request {i} ({len(prompt)} prompt tokens)"
     # The padded last shard of the vocabulary must not take part in the normalisation.
     _assert_logprobs_close(logprobs, expected_logprobs)
     assert "KV heads 0-0 of 1 (replicated)" in reports[1].description
