@@ -100,6 +100,9 @@ def deployment(generation=1, observed=1, replicas=2, ready=2, available=2, updat
         (deployment(generation=2, observed=1), 2, "Progressing", "False", "True"),
         # Mid-rollout with maxSurge 0: one old pod still serving, one new pod loading.
         (deployment(replicas=2, ready=1, available=1, updated=1), 2, "Progressing", "False", "True"),
+        # With maxSurge 1: both new pods ready, an old one still running (3 pods for 2 replicas) is
+        # not a finished rollout: clients may still reach the old configuration.
+        (deployment(replicas=3, ready=3, available=3, updated=2), 2, "Progressing", "False", "True"),
         (
             deployment(ready=1, available=1, progressing=("False", "ProgressDeadlineExceeded")),
             2,
