@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 try:
     from tests.k8s.cluster import OPERATOR_TOKEN, OPERATOR_USER, Cluster
@@ -104,23 +105,23 @@ class PodEndpoints:
 
 
 def histogram(text: str, name: str) -> dict[str, Any]:
-    """count, mean, p50, p99 and max bucket bound of one unlabelled-or-summed histogram."""
+    """count, mean and the bucket bounds holding the median and the 99th percentile of one histogram
+    (its label sets summed)."""
     buckets: dict[float, float] = collections.defaultdict(float)
     total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket"):
-            bound = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[float("inf") if bound == "+Inf" else float(bound)] += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(name + "_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(name + "_count"):
-            count += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if sample.name == name + "_bucket":
+                buckets[float(sample.labels["le"])] += sample.value
+            elif sample.name == name + "_sum":
+                total += sample.value
+            elif sample.name == name + "_count":
+                count += sample.value
 
     def quantile(q: float) -> float | None:
-        for bound in sorted(buckets):
-            if count and buckets[bound] >= q * count:
-                return bound
-        return None
+        return next((b for b in sorted(buckets) if count and buckets[b] >= q * count), None)
 
     return {
         "count": int(count),

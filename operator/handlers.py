@@ -117,7 +117,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         """Stop the resync and remediation tasks (within a bound: a task that outlives two cancels is
         logged and left) and close the clients."""
-        tasks = [t for t in (memo.resync, memo.remediation) if t is not None]
+        tasks = [memo.resync, memo.remediation]
         for task in tasks:
             task.cancel()
         _, pending = await asyncio.wait(tasks, timeout=CLEANUP_S)

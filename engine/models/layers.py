@@ -130,14 +130,13 @@ def prepack_cpu_linears(model: nn.Module, batch_hint: int = 64) -> int:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             module.packed_weight = None
             is_matmul = not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead)
-            if not (is_matmul or module is tied_head):
+            weight = module.weight
+            if not (is_matmul or module is tied_head) or weight.device.type != "cpu":
                 continue
-            if can_prepack(module.weight):
-                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-                    module.weight.detach(), batch_hint
-                )
-                total += module.weight.numel() * module.weight.element_size()
-            elif module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16:
+            if can_prepack(weight):
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+                total += weight.numel() * weight.element_size()
+            elif weight.dtype == torch.bfloat16:
                 unpacked += 1
     if unpacked:
         LOG.warning(

@@ -29,6 +29,7 @@ from typing import Any
 from kvpilot.operator.api import names
 from kvpilot.operator.api.timefmt import format_time
 from kvpilot.operator.local.process import Replica, local_args, local_env
+from kvpilot.operator.remediation.pods import is_ready
 from tests.k8s.cluster import ENGINES_NODE, Cluster
 
 GRACE_S = 10.0
@@ -95,7 +96,7 @@ class EngineNode:
                 self.errors.append(f"{meta['name']}: engine exited ({code})")
                 replica.start()
             healthy = self._healthy(uid)
-            if healthy != _is_ready(pod):
+            if healthy != is_ready(pod):
                 self._set_ready(pod, healthy)
         for uid in [u for u in self.replicas if u not in seen]:
             self._end(uid, "the pod is terminating or gone")
@@ -198,8 +199,3 @@ class EngineNode:
 def _engine_status(pod: dict[str, Any]) -> dict[str, Any]:
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     return next((dict(s) for s in statuses if s.get("name") == names.ENGINE_CONTAINER), {})
-
-
-def _is_ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

@@ -17,45 +17,37 @@ import asyncio
 import json
 import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.vllm_storm import counter, get
 from kvpilot.operator.api import names
 from kvpilot.operator.demo.prepare import THRESHOLD, calibrate, ensure_model, write_manifest
 from kvpilot.operator.demo.run import Load
 from kvpilot.operator.remediation.evaluate import EVENT_APPLIED, EVENT_REVERTED
+from kvpilot.operator.remediation.pods import is_ready
 from tests.k8s.cluster import ENGINES_NODE, ENGINES_TAINT, OPERATOR_TOKEN, OPERATOR_USER, Cluster
 from tests.k8s.engine_node import EngineNode
 from tests.operator.conftest import OperatorProcess, wait_for
+from tests.operator.local_support import leftovers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NS = "loop"
 RAISE = "raiseGpuMemoryUtilization"
 
 
-def counter(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + names.METRICS_PATH, timeout=10) as response:  # noqa: S310
-        text = response.read().decode()
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                total += sample.value
-    return total
-
-
 def cache_blocks(url: str) -> int:
     """The engine's KV pool in blocks (the ``num_gpu_blocks`` label of ``vllm:cache_config_info``)."""
-    with urllib.request.urlopen(url + names.METRICS_PATH, timeout=10) as response:  # noqa: S310
-        text = response.read().decode()
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(get(url + names.METRICS_PATH, timeout=10)):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
                 return int(sample.labels["num_gpu_blocks"])
     raise AssertionError("no vllm:cache_config_info")
+
+
+def preemptions(url: str) -> float:
+    return counter(get(url + names.METRICS_PATH, timeout=10), "vllm:num_preemptions_total")
 
 
 def fraction_of(args: list[str]) -> float:
@@ -74,9 +66,8 @@ def serving_pod(cluster: Cluster, node: EngineNode, fraction: float) -> dict | N
     if len(pods) != 1:
         return None
     (pod,) = pods
-    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
     replica = node.replicas.get(pod["metadata"]["uid"])
-    if ready and replica is not None and fraction_of(replica.args) == fraction:
+    if is_ready(pod) and replica is not None and fraction_of(replica.args) == fraction:
         return pod
     return None
 
@@ -141,7 +132,7 @@ def test_a_storm_on_kwok_pods_is_remediated_and_an_oom_kill_reverts_it(
                 240,
                 "the operator raising gpuMemoryUtilization",
             )
-            storm_preemptions = counter(first_url, "vllm:num_preemptions_total")
+            storm_preemptions = preemptions(first_url)
             blocks_before = cache_blocks(first_url)
             raised = float(change["to"])
             assert raised > start and float(change["from"]) == start, change
@@ -152,11 +143,9 @@ def test_a_storm_on_kwok_pods_is_remediated_and_an_oom_kill_reverts_it(
             load.point(second_url)
             moved = time.time()
             time.sleep(4)  # the clients have moved to the new pod
-            began, before = time.monotonic(), counter(second_url, "vllm:num_preemptions_total")
+            began, before = time.monotonic(), preemptions(second_url)
             time.sleep(12)
-            calm_rate = (counter(second_url, "vllm:num_preemptions_total") - before) / (
-                time.monotonic() - began
-            )
+            calm_rate = (preemptions(second_url) - before) / (time.monotonic() - began)
             blocks_after = cache_blocks(second_url)
         completed_on_second = len([t for t in load.load.trips if t.start >= moved])
         pids = node.pids()
@@ -208,11 +197,4 @@ def test_a_storm_on_kwok_pods_is_remediated_and_an_oom_kill_reverts_it(
         operator.stop()
         node.stop()
         print(f"\n--- operator log tail ---\n{operator.log[-3000:]}\nnode errors: {node.errors[-5:]}")
-    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in pids), pids
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return True
+    assert leftovers(pids) == [], "engine processes outlived their pods"
