@@ -8,7 +8,10 @@ interleaved kvpilot, vLLM, kvpilot, ... for each checkpoint and setting:
 - ``whole box``: each at its best on every core (kvpilot on all of them; vLLM with its default
   binding, its worker and its front end on cores of their own);
 
-then transformers' static batching (batch 8) on the first checkpoint at one thread. Prints the table
+for each dtype setting (``--settings``: kvpilot's and vLLM's ``--dtype``), then transformers' static
+batching (batch 8) on the first checkpoint at one thread. The CPU's ISA flags head the output and the
+JSON (bfloat16 figures differ several times between CPUs with and without native bfloat16). Prints the
+table
 of medians and ratios that the README's benchmark section shows, and writes
 ``benchmarks/results/side_by_side.json`` with every run.
 
@@ -53,41 +56,77 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     peer = Path(os.environ.get("PEER", Path.home() / ".cache" / "kvpilot-peer"))
     parser.add_argument("--vllm-python", default=str(peer / "vllm-venv" / "bin" / "python"))
-    parser.add_argument("--models", default="tiny,small", help="checkpoints under $PEER/models")
-    parser.add_argument("--preset", default="default")
+    parser.add_argument(
+        "--models",
+        default="tiny,small",
+        help="checkpoints under $PEER/models, each NAME or NAME=PRESET (a preset of its own)",
+    )
+    parser.add_argument("--preset", default="default", help="the workload preset of a model without one")
+    parser.add_argument(
+        "--settings",
+        default="bf16=bfloat16:bfloat16",
+        help="comma-separated LABEL=KVPILOT_DTYPE:VLLM_DTYPE; e.g. defaults=auto:auto (each engine as a "
+        "user starts it) and best=auto:float32 (vLLM's fastest dtype on a CPU without native bfloat16)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the whole box")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' static batching")
     args = parser.parse_args()
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
+    settings = [item.split("=", 1) for item in args.settings.split(",")]
     logs = peer / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     table: list[tuple[str, list[float], list[float]]] = []
-    for name in args.models.split(","):
+    models = [(item.split("=", 1) + [args.preset])[:2] for item in args.models.split(",")]
+    for name, preset in models:
         model = peer / "models" / name
-        for setting, threads in (("1 compute thread each", 1), ("whole box", args.threads)):
-            got: dict[str, list[float]] = {"kvpilot": [], "vllm": []}
-            for index in range(args.rounds):
-                for backend, python in (("kvpilot", sys.executable), ("vllm", args.vllm_python)):
-                    log = logs / f"sbs_{backend}_{name}_t{threads}_{index}.log"
-                    result = run(python, backend, model, threads, args.preset, log)
-                    runs.append({"model": name, "setting": setting, "backend": backend, **result})
-                    value = result.get("output_tok_per_s")
-                    print(f"{name}, {setting}, round {index + 1}, {backend}: {value} out tok/s", flush=True)
-                    if value:
-                        got[backend].append(value)
-            table.append((f"{name}, {setting}", got["kvpilot"], got["vllm"]))
+        for label, dtypes in settings:
+            ours_dtype, their_dtype = dtypes.split(":")
+            for setting, threads in (("1 compute thread each", 1), ("whole box", args.threads)):
+                got: dict[str, list[float]] = {"kvpilot": [], "vllm": []}
+                for index in range(args.rounds):
+                    for backend, python, dtype in (
+                        ("kvpilot", sys.executable, ours_dtype),
+                        ("vllm", args.vllm_python, their_dtype),
+                    ):
+                        log = logs / f"sbs_{backend}_{name}_{label}_t{threads}_{index}.log"
+                        result = run(python, backend, model, threads, preset, log, dtype=dtype)
+                        runs.append(
+                            {
+                                "model": name,
+                                "preset": preset,
+                                "dtypes": label,
+                                "setting": setting,
+                                "backend": backend,
+                                "dtype": dtype,
+                                **result,
+                            }
+                        )
+                        value = result.get("output_tok_per_s")
+                        print(
+                            f"{name} ({preset}), {label} ({dtype}), {setting}, round {index + 1}, {backend}: "
+                            f"{value} out tok/s",
+                            flush=True,
+                        )
+                        if value:
+                            got[backend].append(value)
+                table.append(
+                    (f"{name} ({preset}), {label} ({dtypes}), {setting}", got["kvpilot"], got["vllm"])
+                )
     if not args.no_hf:
-        name = args.models.split(",")[0]
+        name, preset = models[0]
         hf = []
         for index in range(args.rounds):
             log = logs / f"sbs_hf_{name}_{index}.log"
-            result = run(sys.executable, "hf", peer / "models" / name, 1, args.preset, log, batch_size=8)
+            result = run(sys.executable, "hf", peer / "models" / name, 1, preset, log, batch_size=8)
             runs.append({"model": name, "setting": "1 thread, static batch 8", "backend": "hf", **result})
             print(f"{name}, transformers static batch 8, round {index + 1}: {result.get('output_tok_per_s')}")
             if result.get("output_tok_per_s"):
                 hf.append(result["output_tok_per_s"])
-        ours = next(k for label, k, _ in table if label == f"{name}, 1 compute thread each")
+        ours = next(k for label, k, _ in table if label.startswith(name) and label.endswith("thread each"))
         table.append((f"{name}, 1 thread: kvpilot vs transformers static batch 8", ours, hf))
 
     def show(values: list[float]) -> str:
@@ -104,7 +143,9 @@ def main() -> None:
         print(f"| {label} | {show(ours)} | {show(theirs)} | {shown} |")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "side_by_side.json"
-    path.write_text(json.dumps({"runs": runs, "ratios": medians, "preset": args.preset}, indent=1))
+    path.write_text(
+        json.dumps({"isa": isa.describe(), "runs": runs, "ratios": medians, "models": models}, indent=1)
+    )
     print(f"\nwrote {path}")
 
 

@@ -58,7 +58,17 @@ class EngineArgs:
     distributed_timeout_s: float = _arg(
         300.0, "Seconds a collective between parallel ranks may wait before it fails."
     )
-    dtype: str = _arg("auto", "Weight and activation dtype: auto | float32 | bfloat16 | float16.")
+    dtype: str = _arg(
+        "auto",
+        "Weight and activation dtype: auto | float32 | bfloat16 | float16 (auto: the checkpoint's, in "
+        "float32 on a CPU without native bfloat16).",
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "KV cache storage dtype: auto | float32 | bfloat16 | float16 (auto: the compute dtype, or the "
+        "checkpoint's half type where auto computes in float32 on CPU). Another type than dtype: CPU, "
+        "float32 compute only.",
+    )
     device: str = _arg("auto", "cuda | cpu | auto (cuda when available).")
     attention_backend: str = _arg(
         "auto", "Attention kernels: auto | torch | triton | cpu (the C++ kernel for CPU devices)."
@@ -102,6 +112,7 @@ class EngineArgs:
             ("preemption_mode", PREEMPTION_MODES),
             ("device", DEVICES),
             ("dtype", DTYPES),
+            ("kv_cache_dtype", DTYPES),
             ("attention_backend", ATTENTION_BACKENDS),
         ):
             if getattr(self, name) not in allowed:

@@ -31,7 +31,9 @@ class EngineConfig:
     """What one engine instance runs with, every default applied and every cross-check passed."""
 
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # weights and activations (the compute type)
+    kv_cache_dtype: torch.dtype  # what the KV pool stores (may be narrower than ``dtype`` on CPU)
+    dtype_reason: str  # why these two, for the start-up line
     parallel_layout: ParallelLayout
     max_model_len: int  # prompt + output tokens of one request
     max_num_batched_tokens: int  # token budget of one step
@@ -64,12 +66,14 @@ def resolve(args: EngineArgs, model_config: ModelConfig, tokenizer) -> EngineCon
         device.type,
         torch.cuda.device_count() if device.type == "cuda" else 0,
     )
-    dtype = resolve_dtype(args.dtype, model_config, device)
+    choice = resolve_dtype(args.dtype, model_config, device, args.kv_cache_dtype)
     max_model_len = resolve_max_model_len(args.max_model_len, model_config)
     num_threads = apply_num_threads() if device.type == "cpu" else 0
     return EngineConfig(
         device=device,
-        dtype=dtype,
+        dtype=choice.dtype,
+        kv_cache_dtype=choice.kv_cache_dtype,
+        dtype_reason=choice.reason,
         parallel_layout=layout,
         max_model_len=max_model_len,
         max_num_batched_tokens=resolve_max_num_batched_tokens(args, max_model_len),
@@ -87,17 +91,84 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto`` -> the checkpoint's dtype (float32 when it names none), bfloat16 instead of float16 on
-    CPU."""
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    reason: str
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_dtype(
+    name: str,
+    model_config: ModelConfig,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
+    native_bf16: bool | None = None,
+) -> DtypeChoice:
+    """The compute type and the KV pool's type, and why.
+
+    ``dtype`` ``auto``: the checkpoint's dtype (float32 when it names none), except on CPU:
+    float16 becomes bfloat16 (the same size, a wider range; CPU float16 matmuls are slow), and a
+    half-precision checkpoint computes in float32 on a CPU without native bfloat16 (AVX-512 BF16 or
+    AMX; ``native_bf16`` defaults to ``kernels.isa.native_bf16()``), where every bfloat16 matmul would
+    be emulated at several times the cost of float32. An explicit ``dtype`` always wins.
+
+    ``kv_cache_dtype`` ``auto``: where ``auto`` chose float32 on CPU for lack of native bfloat16, the
+    pool keeps the checkpoint's half-precision type, so that it holds as many blocks as it would in
+    bfloat16 (the kernels widen K/V to float32 as they read them, a shift per element); else the
+    compute type. An explicit type is taken as given, on CPU only (the CUDA kernels read the
+    compute type).
+    """
     if name != "auto":
-        return _DTYPES[name]
-    dtype = _DTYPES.get(str(model_config.torch_dtype), torch.float32)
-    if device.type == "cpu" and dtype == torch.float16:
-        # float16 matmuls are slow on CPUs; bfloat16 has the same size and a wider range.
-        logger.info("dtype float16 -> bfloat16 on CPU")
-        dtype = torch.bfloat16
-    return dtype
+        dtype, reason = _DTYPES[name], f"dtype {name} (as set)"
+        half_checkpoint = None
+    else:
+        dtype = _DTYPES.get(str(model_config.torch_dtype), torch.float32)
+        reason = f"dtype auto: the checkpoint's {_name(dtype)}"
+        if device.type == "cpu" and dtype == torch.float16:
+            dtype = torch.bfloat16
+            reason += " as bfloat16 on CPU (float16 matmuls are slow on CPUs)"
+        half_checkpoint = dtype if dtype != torch.float32 else None
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            if native_bf16 is None:
+                from kvpilot.kernels import isa
+
+                native_bf16 = isa.native_bf16()
+            if native_bf16:
+                reason += "; this CPU has native bfloat16 (AVX-512 BF16 or AMX)"
+                half_checkpoint = None
+            else:
+                dtype = torch.float32
+                reason += (
+                    ", computed in float32: this CPU has no native bfloat16 (AVX-512 BF16 or AMX), where "
+                    "bfloat16 matmuls would be emulated"
+                )
+        else:
+            half_checkpoint = None
+    if kv_cache_dtype != "auto":
+        kv = _DTYPES[kv_cache_dtype]
+        if kv != dtype and device.type != "cpu":
+            raise ConfigError(
+                f"kv_cache_dtype {kv_cache_dtype} differs from dtype {_name(dtype)}: a KV cache of another "
+                "type is supported on CPU only"
+            )
+        if kv != dtype and dtype != torch.float32:
+            raise ConfigError(
+                f"kv_cache_dtype {kv_cache_dtype} with dtype {_name(dtype)}: a KV cache of another type "
+                "than the compute type needs float32 compute"
+            )
+        kv_reason = f"KV cache {kv_cache_dtype} (as set)"
+    elif half_checkpoint is not None:
+        kv = half_checkpoint
+        kv_reason = f"KV cache kept in {_name(kv)} (as many blocks per GiB as the checkpoint's type)"
+    else:
+        kv = dtype
+        kv_reason = f"KV cache {_name(kv)}"
+    return DtypeChoice(dtype, kv, f"{reason}; {kv_reason}")
 
 
 def resolve_max_model_len(requested: int | None, model_config: ModelConfig) -> int:

@@ -89,6 +89,7 @@ class LLMEngine(ShutdownOnExit):
                 args,
                 config.parallel_layout,
                 config.dtype,
+                config.kv_cache_dtype,
                 config.device,
                 self.backend,
                 config.max_model_len,
@@ -121,7 +122,7 @@ class LLMEngine(ShutdownOnExit):
     def _log_start(self, load_s: float) -> None:
         cfg = self.model_config
         logger.info(
-            "model %s (%s, %d layers, %d/%d heads), dtype %s, device %s, attention backend %s, "
+            "model %s (%s, %d layers, %d/%d heads), dtype %s, KV cache %s, device %s, attention backend %s, "
             "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d; loaded in %.1fs",
             self.model_dir,
             cfg.architecture,
@@ -129,12 +130,20 @@ class LLMEngine(ShutdownOnExit):
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             str(self.dtype).removeprefix("torch."),
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.device,
             self.backend.name,
             self.max_model_len,
             self.args.max_num_seqs,
             self.max_num_batched_tokens,
             load_s,
+        )
+        weights = self.kv_plan.weights_bytes
+        logger.info(
+            "%s; weights %s, %.0f KV blocks per GiB",
+            self.engine_config.dtype_reason,
+            format_bytes(weights),
+            (1 << 30) / self.kv_plan.bytes_per_block,
         )
         kv_line = self.kv_plan.describe(self.max_model_len)
         if self.parallel_layout.is_parallel:
@@ -156,6 +165,10 @@ class LLMEngine(ShutdownOnExit):
     @property
     def dtype(self) -> torch.dtype:
         return self.engine_config.dtype
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.engine_config.kv_cache_dtype
 
     @property
     def parallel_layout(self) -> ParallelLayout:

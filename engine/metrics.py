@@ -217,6 +217,7 @@ class PrometheusStatLogger:
             num_cpu_blocks = int(args.swap_space * GiB) // plan.bytes_per_block if is_swap else 0
         cfg = engine.model_config
         dtype = str(engine.dtype).removeprefix("torch.")
+        kv_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
         cache_config = {
             "block_size": plan.block_size,
             "num_gpu_blocks": plan.num_blocks,
@@ -226,7 +227,7 @@ class PrometheusStatLogger:
             "preemption_mode": args.preemption_mode,
             "swap_space_bytes": int(args.swap_space * GiB),
             "num_gpu_blocks_override": args.num_gpu_blocks_override,
-            "cache_dtype": dtype,
+            "cache_dtype": kv_dtype,
         }
         model_config = {
             "architecture": cfg.architecture,

@@ -144,6 +144,7 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler | None,
         num_micro_batches: int = 1,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -151,8 +152,10 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.num_micro_batches = num_micro_batches
-        # Weights, activations and the KV cache share one dtype.
+        # Weights and activations share one dtype; the KV pool may store a narrower one (float32 compute
+        # over a bfloat16 pool on CPUs without native bfloat16), which the kernels widen as they read.
         self.dtype = next(model.parameters()).dtype
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.kv_cache: KVCache | None = None
         # bfloat16 on CPU: weights reordered once into oneDNN's layout (bit-identical results, about
         # 1.6x faster matmuls at decode batch sizes); the copies count as weights in KV sizing.
@@ -163,7 +166,11 @@ class ModelRunner:
         """Bytes of one KV block on this rank (its layers and KV heads)."""
         shard = self.model.shard
         return KVCache.bytes_per_block(
-            shard.num_layers, self.block_size, shard.num_kv_heads, self.model.config.head_dim, self.dtype
+            shard.num_layers,
+            self.block_size,
+            shard.num_kv_heads,
+            self.model.config.head_dim,
+            self.kv_cache_dtype,
         )
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> KVCache:
@@ -174,7 +181,7 @@ class ModelRunner:
             self.block_size,
             shard.num_kv_heads,
             self.model.config.head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
             num_cpu_blocks,
             # The cpu backend's kernels address the pool by its strides: one contiguous run per
@@ -314,7 +321,7 @@ class ModelRunner:
         peak activation memory. Uses a throwaway one-block cache per layer and drops the writes. A
         collective on a parallel engine: every rank profiles at the same time."""
         cfg, shard = self.model.config, self.model.shard
-        dtype = self.dtype
+        dtype = self.kv_cache_dtype
         num_reqs = max(1, min(max_num_seqs, num_tokens))
         per_req = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
         scratch_blocks = -(-max(per_req) // self.block_size)

@@ -18,8 +18,10 @@ import importlib.util
 import logging
 import os
 import platform
+import subprocess
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -40,9 +42,63 @@ MARCH_ENV = "KVPILOT_CPU_MARCH"
 OPENMP_FLAGS = ("-fopenmp",)
 
 
-def _cflags(openmp: bool) -> list[str]:
+def _cflags(openmp: bool, target: tuple[str, ...] | None = None) -> list[str]:
     # A fresh list each time: torch's cpp_extension appends to the lists it is handed.
-    return [f"-march={os.environ.get(MARCH_ENV) or 'native'}", *CFLAGS, *(OPENMP_FLAGS if openmp else ())]
+    target = target or (f"-march={os.environ.get(MARCH_ENV) or 'native'}",)
+    return [*target, *CFLAGS, *(OPENMP_FLAGS if openmp else ())]
+
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """One x86 instruction-set level the kernels have code paths for (``make test`` builds and tests
+    each level this CPU can run; see ``isa_levels``)."""
+
+    name: str
+    target: tuple[str, ...]  # compiler flags that select it
+    needs: frozenset[str]  # /proc/cpuinfo flags a CPU must have to run the build
+    paths: str  # the code paths the level enables, for the report of what ran and what did not
+
+
+_V3 = frozenset({"sse4_2", "avx2", "fma", "f16c"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+ISA_LEVELS = (
+    IsaLevel("portable", ("-march=x86-64-v2",), frozenset({"sse4_2"}), "the portable omp-simd loops"),
+    IsaLevel(
+        "avx2",
+        ("-march=x86-64-v3",),
+        _V3,
+        "AVX2+FMA attention (8-key scores, exp, PV rows) and fused ops",
+    ),
+    IsaLevel(
+        "avx512",
+        ("-march=x86-64-v4",),
+        _V4,
+        "AVX-512 fp32 attention (scores_16, softmax_step_16, pv_rows)",
+    ),
+    IsaLevel(
+        "avx512_bf16",
+        ("-march=x86-64-v4", "-mavx512bf16"),
+        _V4 | {"avx512_bf16"},
+        "AVX512-BF16 decode attention (attend_bf16_rows) and the bfloat16 fused ops",
+    ),
+    IsaLevel(
+        "amx",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+        _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+        "AMX bfloat16 prefill tiles (attend_amx)",
+    ),
+)
+
+
+def isa_levels(flags: frozenset[str] | None = None) -> tuple[list[IsaLevel], list[IsaLevel]]:
+    """The levels this CPU can run and those it cannot (empty lists off x86-64)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return [], []
+    from kvpilot.kernels import isa
+
+    flags = isa.cpu_flags() if flags is None else flags
+    runnable = [level for level in ISA_LEVELS if level.needs <= flags]
+    return runnable, [level for level in ISA_LEVELS if not level.needs <= flags]
 
 
 _MARKER = "complete"
@@ -65,14 +121,14 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_key(openmp: bool = True) -> str:
+def build_key(openmp: bool = True, target: tuple[str, ...] | None = None) -> str:
     """The hash that names the build directory (sources and headers, flags, torch, Python, CPU)."""
     import torch
 
     h = hashlib.sha256()
     for part in (
         *(path.read_bytes() for path in sorted(CSRC.glob("*.[ch]*"))),
-        " ".join(_cflags(openmp)).encode(),
+        " ".join(_cflags(openmp, target)).encode(),
         torch.__version__.encode(),
         sysconfig.get_config_var("SOABI").encode() if sysconfig.get_config_var("SOABI") else b"",
         _cpu_flags().encode(),
@@ -109,7 +165,7 @@ def _ninja_path() -> str:
     return os.pathsep.join([*extra, os.environ.get("PATH", "")])
 
 
-def _build(name: str, directory: Path, openmp: bool) -> ModuleType:
+def _build(name: str, directory: Path, openmp: bool, target: tuple[str, ...] | None = None) -> ModuleType:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -119,7 +175,7 @@ def _build(name: str, directory: Path, openmp: bool) -> ModuleType:
         module = cpp_extension.load(
             name=name,
             sources=[str(path) for path in SOURCES],
-            extra_cflags=_cflags(openmp),
+            extra_cflags=_cflags(openmp, target),
             extra_ldflags=list(OPENMP_FLAGS) if openmp else [],
             build_directory=str(directory),
             verbose=False,
@@ -177,3 +233,47 @@ def load_extension() -> ModuleType | None:
     except Exception as exc:
         logger.warning("CPU attention kernel unavailable (%s); using the torch path", _reason(exc))
         return None
+
+
+@functools.cache
+def load_level(level: IsaLevel) -> ModuleType:
+    """The kernels built for ``level`` (OpenMP on, cached like the default build), to test that
+    level's code paths in this process; raises when the build fails. The CPU must be able to run it
+    (``isa_levels``)."""
+    name = f"kvpilot_cpu_attention_{build_key(True, level.target)}"
+    directory = cache_root() / name
+    if (directory / _MARKER).exists():
+        module = _import_built(name, directory)
+        if module is not None:
+            return module
+    logger.info("building the CPU kernels for ISA level %s (cached in %s)", level.name, directory)
+    return _build(name, directory, True, level.target)
+
+
+def compile_level(level: IsaLevel) -> None:
+    """Compile every source for ``level`` without loading the result (a CPU that cannot run a level
+    still checks that its code builds); remembered in the cache once it has succeeded. Raises
+    ``subprocess.CalledProcessError`` with the compiler's output when it fails."""
+    from torch.utils import cpp_extension
+
+    marker = cache_root() / f"compiled-{level.name}-{build_key(True, level.target)}"
+    if marker.exists():
+        return
+    compiler = os.environ.get("CXX") or "c++"
+    flags = [
+        *_cflags(True, level.target),
+        "-std=c++17",
+        "-fPIC",
+        "-DTORCH_EXTENSION_NAME=kvpilot_compile_check",
+        f"-I{sysconfig.get_paths()['include']}",
+        *(f"-I{path}" for path in cpp_extension.include_paths()),
+    ]
+    for source in SOURCES:
+        subprocess.run(
+            [compiler, *flags, "-c", str(source), "-o", os.devnull],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("ok\n")

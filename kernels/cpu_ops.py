@@ -40,6 +40,12 @@ __all__ = [
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _kernel_dtypes(compute: torch.dtype, cache: torch.dtype) -> bool:
+    """The (activation, cache) dtype pairs the kernels take: one of ``_DTYPES`` for both, or float32
+    compute over a half-precision pool."""
+    return compute in _DTYPES and (cache == compute or (compute == torch.float32 and cache in _DTYPES))
+
+
 def uses_amx() -> bool:
     """Whether bfloat16 prefill tiles run on AMX here (the kernel built for it and the OS permits it)."""
     ext = load_extension()
@@ -59,13 +65,15 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """``torch_ops.write_kv_cache`` in one pass of the extension (no mask, no host sync per layer)
-    where the dtypes match and the caches are CPU tensors whose head dimension is contiguous (any other
+    where the dtypes match (or float32 rows go to a half-precision pool, rounded as ``.to()`` rounds)
+    and the caches are CPU tensors whose head dimension is contiguous (any other
     strides, e.g. the per-(block, head) contiguous pool's permuted views); the torch op otherwise."""
     ext = load_extension()
     if (
         ext is None
-        or key.dtype != k_cache.dtype
-        or value.dtype != v_cache.dtype
+        or not _kernel_dtypes(key.dtype, k_cache.dtype)
+        or value.dtype != key.dtype
+        or v_cache.dtype != k_cache.dtype
         or key.device.type != "cpu"
         or k_cache.device.type != "cpu"
         or v_cache.device.type != "cpu"
@@ -97,8 +105,8 @@ def paged_attention(
     ``query: [num_tokens, num_heads, head_size]`` may be a strided view (e.g. of a fused QKV tensor)
     whose last dimension is contiguous; ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_size]``. Returns a contiguous ``[num_tokens, num_heads, head_size]`` tensor in the query's
-    dtype. Raises ``ValueError`` for tensors the kernel does not take (not on CPU, mixed or unsupported
-    dtypes, a head count that is not a multiple of the KV heads) and ``RuntimeError`` when the
+    dtype. Raises ``ValueError`` for tensors the kernel does not take (not on CPU, unsupported dtype
+    pairs, a head count that is not a multiple of the KV heads) and ``RuntimeError`` when the
     extension is not available.
     """
     ext = load_extension()
@@ -107,10 +115,10 @@ def paged_attention(
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     if query.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu":
         raise ValueError("the cpu backend takes CPU tensors only")
-    if query.dtype not in _DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if not _kernel_dtypes(query.dtype, k_cache.dtype) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"query and caches must share one of float32, bfloat16, float16; got {query.dtype}, "
-            f"{k_cache.dtype}, {v_cache.dtype}"
+            "query and caches must share one of float32, bfloat16, float16, or a float32 query read "
+            f"bfloat16 or float16 caches; got {query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")

@@ -181,7 +181,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each request's query span over all of its cached tokens.
 
-    Returns ``[num_tokens, num_heads, head_size]`` in the query's dtype. Grouped-query attention:
+    Returns ``[num_tokens, num_heads, head_size]`` in the query's dtype; caches of a narrower type
+    (a bfloat16 pool under float32 compute) are widened to it as they are read. Grouped-query attention:
     query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. Per-step state (block ids,
     masks, gather buffers) is kept in ``metadata.derived`` and reused by every layer.
     """
@@ -195,8 +196,8 @@ def paged_attention(
         k = _gather(k_cache, chunk.block_ids, plan.k_buffer)
         v = _gather(v_cache, chunk.block_ids, plan.v_buffer)
         # [reqs * blocks, bs, kvh, d] -> [reqs, kvh, keys, d] as a strided view: SDPA reads it in place.
-        k = k.view(chunk.num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2)
-        v = v.view(chunk.num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2)
+        k = k.view(chunk.num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2).to(query.dtype)
+        v = v.view(chunk.num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2).to(query.dtype)
         if isinstance(chunk.rows, slice):
             q = query[chunk.rows]
         else:
@@ -211,6 +212,7 @@ def paged_attention(
     for p in plan.prefills:
         k = _gather(k_cache, p.block_ids, plan.k_buffer).flatten(0, 1)[: p.seq_len].transpose(0, 1)
         v = _gather(v_cache, p.block_ids, plan.v_buffer).flatten(0, 1)[: p.seq_len].transpose(0, 1)
+        k, v = k.to(query.dtype), v.to(query.dtype)
         q = query[p.start : p.end].transpose(0, 1)  # [h, q_len, d]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa

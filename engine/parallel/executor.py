@@ -37,6 +37,7 @@ class ExecutorSpec:
     args: EngineArgs
     layout: ParallelLayout
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
     device: torch.device
     backend: AttentionBackend
     max_model_len: int
@@ -51,6 +52,7 @@ class ExecutorSpec:
             layout=self.layout,
             comm=comm,
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             device_type=self.device.type,
             attention_backend=self.backend.name,
             max_model_len=self.max_model_len,

@@ -39,6 +39,7 @@ class RankSpec:
     layout: ParallelLayout
     comm: CommSpec | None  # None for a one-rank engine
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
     device_type: str  # "cpu" | "cuda" (rank r uses cuda:r)
     attention_backend: str
     max_model_len: int
@@ -104,6 +105,7 @@ class Rank:
             self.device,
             spec.args.block_size,
             sampler,
+            kv_cache_dtype=spec.kv_cache_dtype,
             num_micro_batches=spec.args.pipeline_micro_batches if pp > 1 else 1,
         )
         return self.report()

@@ -102,6 +102,7 @@ def serve(
                 "served_model_name": ",".join(served),
                 "architecture": cfg.architecture,
                 "dtype": str(engine.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
                 "device": str(engine.device),
                 "attention_backend": engine.backend.name,
                 "max_model_len": engine.max_model_len,

@@ -33,7 +33,16 @@ VLLM_FLAGS: dict[str, str] = {
     "tensorParallelSize": "--tensor-parallel-size",
     "pipelineParallelSize": "--pipeline-parallel-size",
     "dtype": "--dtype",
+    "kvCacheDtype": "--kv-cache-dtype",
     "seed": "--seed",
+}
+
+# Values of rendered keys that vLLM's parser refuses, with the reason a user reads.
+VLLM_REFUSED_VALUES: dict[str, tuple[frozenset, str]] = {
+    "kvCacheDtype": (
+        frozenset({"float32"}),
+        "vLLM's KV cache types are auto, float16, bfloat16 and fp8 formats (no float32)",
+    ),
 }
 
 # spec.engine keys vLLM has no equivalent for, with the reason a user reads in the SpecValid message.
@@ -75,6 +84,11 @@ def unsupported_engine_keys(engine: dict[str, Any]) -> list[str]:
     """One message per ``spec.engine`` key that runtime ``vllm`` cannot honour (empty: all can be)."""
     problems = []
     for key, value in engine.items():
+        if key in VLLM_REFUSED_VALUES and value in VLLM_REFUSED_VALUES[key][0]:
+            problems.append(
+                f"spec.engine.{key} {value} is not supported by runtime vllm: {VLLM_REFUSED_VALUES[key][1]}"
+            )
+            continue
         if key in VLLM_FLAGS or key in DERIVED:
             continue
         if key in KVPILOT_ONLY:

@@ -9,20 +9,11 @@ import torch
 import transformers
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 from ..conftest import build_checkpoint
+from .prompt_logits import prompt_logits, random_prompts
 
 LOGITS_ATOL = 1e-4  # float32 end to end; observed differences are ~1e-6
-
-
-def _prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    """``n`` token-id prompts of varied lengths (1 .. ~150 tokens), deterministic."""
-    rng = random.Random(seed)
-    lengths = [1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 47, 64, 65, 100, 129, 150]
-    lengths += [rng.randint(1, 150) for _ in range(max(0, n - len(lengths)))]
-    vocab = len(tokenizer)
-    return [[rng.randrange(5, vocab) for _ in range(length)] for length in lengths[:n]]
 
 
 def _hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -63,7 +54,7 @@ def hf_llama(tiny_llama):
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_greedy_matches_transformers_in_one_chunked_batch(tiny_llama, hf_llama, block_size):
     llm = _chunked_llm(tiny_llama, block_size, num_blocks=512, enable_prefix_caching=False)
-    prompts = _prompts(llm.get_tokenizer(), 16)
+    prompts = random_prompts(llm.get_tokenizer(), 16)
     max_tokens = 24
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -102,47 +93,11 @@ def test_greedy_with_prefix_cache_hits_matches_transformers(tiny_llama, hf_llama
     assert llm.llm_engine.block_manager.num_free_blocks == 256
 
 
-def _prompt_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
-    """Logits at every prompt position, computed by the engine's runner in prefill chunks of ``chunk``."""
-    engine = llm.llm_engine
-    runner, bm = engine.runner, engine.block_manager
-    from kvpilot.engine.request import Request
-
-    req = Request("logits", prompt, SamplingParams(temperature=0.0))
-    bm.allocate_prefix(req)
-    rows = []
-    try:
-        for start in range(0, len(prompt), chunk):
-            ids = prompt[start : start + chunk]
-            assert bm.allocate_slots(req, len(ids))
-            item = ScheduledRequest(
-                "logits",
-                ids,
-                start,
-                bm.get_block_table("logits"),
-                False,
-                req.sampling_params,
-                [],
-                prompt,
-                None,
-            )
-            inputs = runner.prepare_inputs(SchedulerOutput([item], len(ids)))
-            with torch.inference_mode():
-                hidden = runner.model(
-                    inputs.input_ids, inputs.positions, runner.kv_cache.layers, inputs.metadata
-                )
-                rows.append(runner.model.compute_logits(hidden))
-            req.num_computed_tokens += len(ids)
-    finally:
-        bm.free(req)
-    return torch.cat(rows)
-
-
 @pytest.mark.parametrize("chunk", [7, 1000])
 def test_prompt_logits_close_to_transformers(tiny_llama, hf_llama, chunk):
     llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=64)
-    prompt = _prompts(llm.get_tokenizer(), 16)[-1]
-    ours = _prompt_logits(llm, prompt, chunk)
+    prompt = random_prompts(llm.get_tokenizer(), 16)[-1]
+    ours = prompt_logits(llm, prompt, chunk)
     with torch.no_grad():
         ref = hf_llama(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(ours, ref, atol=LOGITS_ATOL, rtol=0)
@@ -150,7 +105,7 @@ def test_prompt_logits_close_to_transformers(tiny_llama, hf_llama, chunk):
 
 def test_each_prompt_alone_matches_the_batch(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=8, max_num_batched_tokens=48, num_gpu_blocks_override=512)
-    prompts = _prompts(llm.get_tokenizer(), 12, seed=1)
+    prompts = random_prompts(llm.get_tokenizer(), 12, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     batch = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     alone = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
@@ -159,7 +114,7 @@ def test_each_prompt_alone_matches_the_batch(tiny_llama):
 
 def test_seeded_sampling_is_independent_of_batch_composition(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=8, max_num_batched_tokens=40, num_gpu_blocks_override=512)
-    prompts = _prompts(llm.get_tokenizer(), 10, seed=2)
+    prompts = random_prompts(llm.get_tokenizer(), 10, seed=2)
     target = {"prompt_token_ids": prompts[3]}
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16)
     alone = llm.generate(target, seeded)[0].outputs[0].token_ids
@@ -179,7 +134,7 @@ def test_seeded_sampling_is_independent_of_batch_composition(tiny_llama):
 def test_sampling_filters(tiny_llama):
     """top_k=1 and a tiny top_p are greedy; min_p=1 keeps only the argmax."""
     llm = LLM(str(tiny_llama), block_size=16, num_gpu_blocks_override=64)
-    prompt = {"prompt_token_ids": _prompts(llm.get_tokenizer(), 16)[9]}
+    prompt = {"prompt_token_ids": random_prompts(llm.get_tokenizer(), 16)[9]}
     greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=10))[0].outputs[0].token_ids
     for params in (
         SamplingParams(temperature=1.5, top_k=1, max_tokens=10),
@@ -191,7 +146,7 @@ def test_sampling_filters(tiny_llama):
 
 def test_stop_conditions(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=128)
-    prompt = {"prompt_token_ids": _prompts(llm.get_tokenizer(), 16)[12]}
+    prompt = {"prompt_token_ids": random_prompts(llm.get_tokenizer(), 16)[12]}
     full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0]
     assert len(full.token_ids) == 20 and full.finish_reason == "length"
 
@@ -241,7 +196,7 @@ def test_stop_conditions(tiny_llama):
 
 def test_logprobs_and_penalties(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=128)
-    prompt_ids = _prompts(llm.get_tokenizer(), 16)[10]
+    prompt_ids = random_prompts(llm.get_tokenizer(), 16)[10]
     prompt = {"prompt_token_ids": prompt_ids}
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 6
@@ -297,7 +252,7 @@ def test_other_architectures_match_transformers(tmp_path, tokenizer_dir, arch):
     if arch == "qwen2":
         assert hf.model.layers[0].self_attn.q_proj.bias is not None
     llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=256)
-    _assert_greedy_matches(llm, hf, _prompts(llm.get_tokenizer(), 6, seed=4), max_tokens=10)
+    _assert_greedy_matches(llm, hf, random_prompts(llm.get_tokenizer(), 6, seed=4), max_tokens=10)
 
 
 def test_sharded_checkpoint_and_tied_embeddings(tmp_path, tokenizer_dir):
@@ -309,7 +264,7 @@ def test_sharded_checkpoint_and_tied_embeddings(tmp_path, tokenizer_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(str(model_dir), block_size=8, num_gpu_blocks_override=128)
     assert llm.llm_engine.model.lm_head is None
-    _assert_greedy_matches(llm, hf, _prompts(llm.get_tokenizer(), 4, seed=6), max_tokens=10)
+    _assert_greedy_matches(llm, hf, random_prompts(llm.get_tokenizer(), 4, seed=6), max_tokens=10)
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path, tokenizer_dir):
@@ -325,7 +280,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path, tokenizer_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(str(model_dir), block_size=16, num_gpu_blocks_override=64)
     assert llm.llm_engine.model_config.rope_type == "llama3"
-    prompt = _prompts(llm.get_tokenizer(), 16, seed=8)[-1]
+    prompt = random_prompts(llm.get_tokenizer(), 16, seed=8)[-1]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 12)
 
@@ -334,9 +289,9 @@ def test_bfloat16_runs_close_to_float32(tiny_llama):
     llm32 = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=64, dtype="float32")
     llm16 = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=64, dtype="bfloat16")
     assert llm16.llm_engine.runner.kv_cache.data.dtype == torch.bfloat16
-    prompt = _prompts(llm32.get_tokenizer(), 16)[13]
-    a = _prompt_logits(llm32, prompt, 1000)
-    b = _prompt_logits(llm16, prompt, 1000)
+    prompt = random_prompts(llm32.get_tokenizer(), 16)[13]
+    a = prompt_logits(llm32, prompt, 1000)
+    b = prompt_logits(llm16, prompt, 1000)
     # bf16 keeps ~3 significant digits; logits of this model are O(1).
     assert (a - b).abs().max().item() < 0.15
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.9

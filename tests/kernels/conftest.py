@@ -17,6 +17,7 @@ from typing import NoReturn
 import pytest
 import torch
 
+from kvpilot.kernels import cpu_build
 from kvpilot.kernels.metadata import AttentionMetadata
 
 DEVICE = os.environ.get("KVPILOT_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -248,6 +249,49 @@ def require_cpu_kernel() -> None:
 
     if not cpu_ops.is_available():
         missing_dependency("the CPU attention kernel could not be built (see the kvpilot.kernels log line)")
+
+
+def _kernel_levels() -> list[str]:
+    """The ISA levels whose kernel builds the CPU kernel tests run on: each level this CPU can run
+    below its best, then the default build (``-march=native``, or ``$KVPILOT_CPU_MARCH``), which has
+    the best level's paths."""
+    runnable, _ = cpu_build.isa_levels()
+    return [level.name for level in runnable[:-1]] + ["default"]
+
+
+@pytest.fixture(params=_kernel_levels())
+def kernel_isa(request, monkeypatch) -> str:
+    """Runs a test once per ISA level of the kernels (see ``_kernel_levels``): ``cpu_ops`` then calls
+    that level's build. A level that does not build fails under ``KVPILOT_REQUIRE_TOOLS=1``."""
+    from kvpilot.kernels import cpu_ops
+
+    if request.param == "default":
+        require_cpu_kernel()
+        return request.param
+    level = next(level for level in cpu_build.ISA_LEVELS if level.name == request.param)
+    try:
+        ext = cpu_build.load_level(level)
+    except Exception as exc:  # a compiler error is what this reports
+        missing_dependency(f"the kernels for ISA level {level.name} did not build: {exc}")
+    monkeypatch.setattr(cpu_ops, "load_extension", lambda: ext)
+    return request.param
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Name the kernel code paths this CPU cannot run: they were compiled (test_isa_matrix.py), not
+    tested."""
+    reports = (r for group in terminalreporter.stats.values() for r in group if hasattr(r, "nodeid"))
+    if not any("test_cpu_" in r.nodeid or "test_fused_cpu" in r.nodeid for r in reports):
+        return
+    runnable, missing = cpu_build.isa_levels()
+    if not runnable and not missing:
+        terminalreporter.write_line("CPU kernel ISA levels: not an x86-64 CPU, only the default build ran")
+        return
+    terminalreporter.write_line(
+        "CPU kernel ISA levels tested here: " + ", ".join(level.name for level in runnable)
+    )
+    for level in missing:
+        terminalreporter.write_line(f"NOT TESTED on this CPU (compiled only): {level.name}: {level.paths}")
 
 
 def load_triton_ops() -> ModuleType:

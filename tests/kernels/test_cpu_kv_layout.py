@@ -71,6 +71,7 @@ def test_block_copy_and_swap_on_head_major_pool():
         ("bfloat16", (12, 4), 48, 16, "mixed"),
     ],
 )
+@pytest.mark.usefixtures("kernel_isa")
 def test_kernel_on_head_major_caches_matches_torch(dtype, heads, head_size, block_size, kind):
     require_cpu_kernel()
     batch = make_paged_batch(
@@ -90,6 +91,7 @@ def test_kernel_on_head_major_caches_matches_torch(dtype, heads, head_size, bloc
     assert torch.equal(out, same)
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 def test_write_kv_cache_into_head_major_caches(dtype):
     require_cpu_kernel()

@@ -65,6 +65,7 @@ def _run_both(batch, threads: int | None = None):
     return out, ref
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_paged_attention_matches_torch(case):
     dtype = DTYPES[case["dtype"]]
@@ -84,6 +85,7 @@ def test_paged_attention_matches_torch(case):
     assert_close(out, ref, dtype, _case_id(case))
 
 
+@pytest.mark.usefixtures("kernel_isa")
 def test_long_prefill_chunk_over_cached_context_matches_dense():
     """A chunk of 70 queries (several query tiles) over 300 cached tokens, against float64 attention."""
     batch = make_paged_batch([(300, 70), (0, 33), (12, 1)], 8, 2, 64, 16, torch.float32, device="cpu")
@@ -92,6 +94,7 @@ def test_long_prefill_chunk_over_cached_context_matches_dense():
     assert_close(out, naive_attention(batch), torch.float32, "long chunk vs dense")
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("kind", ["prefill", "mixed"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [32, 64, 96, 128, 256])
@@ -114,6 +117,7 @@ def test_bfloat16_prefill_tiles_match_torch(heads, head_size, block_size, kind):
     assert_close(out, ref, torch.bfloat16, f"{heads} d={head_size} bs={block_size} {kind}")
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_give_the_same_result(threads):
     """Work items are independent: any thread count gives bit-identical output."""
@@ -138,6 +142,7 @@ def test_parallel_loops_run_on_torchs_threads(threads):
     assert width == threads
 
 
+@pytest.mark.usefixtures("kernel_isa")
 def test_unused_heads_of_a_fused_qkv_view_are_not_read():
     """The query may be a strided view; the result equals the contiguous query's."""
     batch = make_paged_batch([(20, 1), (5, 9)], 6, 2, 80, 8, torch.float16, device="cpu", seed=7)
@@ -149,6 +154,7 @@ def test_unused_heads_of_a_fused_qkv_view_are_not_read():
     assert torch.equal(strided, contiguous)
 
 
+@pytest.mark.usefixtures("kernel_isa")
 def test_offsets_past_int32():
     """Blocks whose element offsets exceed 2**31 (the cache is 4.3 GB, allocated lazily)."""
     block_size, num_kv_heads, head_size = 16, 1, 64
@@ -169,6 +175,7 @@ def test_offsets_past_int32():
     assert_close(out, ref, torch.float16, "int64 offsets")
 
 
+@pytest.mark.usefixtures("kernel_isa")
 def test_empty_batch_and_bad_arguments():
     batch = make_paged_batch([(3, 1)], 4, 4, 64, 16, torch.float32, device="cpu")
     empty = cpu_ops.paged_attention(
@@ -193,6 +200,7 @@ def test_backend_uses_the_kernels_and_the_torch_block_ops():
     assert get_backend("auto", "cpu").name == "cpu"
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("num_tokens", [1, 5, 300])
 def test_write_kv_cache_matches_torch(dtype, num_tokens):

@@ -22,15 +22,13 @@ from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.models.llama import RMSNorm, RotaryEmbedding
 from kvpilot.kernels import cpu_ops
 
-from .conftest import require_cpu_kernel
-
 # One unit in the last place of values of magnitude up to ~8 (bf16: 8 bits, fp16: 11 bits of mantissa).
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
-@pytest.fixture(scope="module")
-def fused():
-    require_cpu_kernel()
+@pytest.fixture
+def fused(kernel_isa):
+    """The fused ops of the kernel build of each ISA level this CPU runs (``kernel_isa``)."""
     return cpu_ops.fused_ops()
 
 

@@ -179,6 +179,7 @@ def test_every_engine_key_renders_a_flag_the_engine_parses(make_isvc):
         "pipelineMicroBatches": 2,
         "distributedTimeoutS": 120.0,
         "dtype": "bfloat16",
+        "kvCacheDtype": "bfloat16",
         "device": "cuda",
         "attentionBackend": "triton",
         "seed": 7,

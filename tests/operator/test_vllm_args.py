@@ -43,6 +43,7 @@ ATTRIBUTE = {
     "tensorParallelSize": "tensor_parallel_size",
     "pipelineParallelSize": "pipeline_parallel_size",
     "dtype": "dtype",
+    "kvCacheDtype": "kv_cache_dtype",
     "seed": "seed",
 }
 
@@ -136,6 +137,12 @@ def test_kvpilot_only_keys_are_reported_with_the_runtime_and_the_reason() -> Non
     ]
     # The values vLLM behaves as anyway are accepted.
     assert runtime.unsupported_engine_keys({"preemptionMode": "recompute", "device": "auto"}) == []
+    # A value of a rendered key that vLLM's parser refuses.
+    assert runtime.unsupported_engine_keys({"kvCacheDtype": "float32"}) == [
+        "spec.engine.kvCacheDtype float32 is not supported by runtime vllm: vLLM's KV cache types are auto, "
+        "float16, bfloat16 and fp8 formats (no float32)"
+    ]
+    assert runtime.unsupported_engine_keys({"kvCacheDtype": "bfloat16"}) == []
 
 
 # --- against vLLM's parser ------------------------------------------------------------------------------
@@ -200,8 +207,14 @@ def test_flags_vllm_lacks_are_rejected_by_its_parser(tmp_path: Path) -> None:
             ["--model", "/m", "--preemption-mode", "swap"],
             ["--model", "/m", "--swap-space", "4"],
             ["--model", "/m", "--max-num-seqs", "eight"],
+            *(
+                ["--model", "/m", "--kv-cache-dtype", value]
+                for value in runtime.VLLM_REFUSED_VALUES["kvCacheDtype"][0]
+            ),
+            ["--model", "/m", "--kv-cache-dtype", "bfloat16"],
         ],
         tmp_path,
     )
-    assert [r["ok"] for r in results] == [False, False, False], results
+    assert [r["ok"] for r in results] == [False, False, False, False, True], results
     assert "--max-num-seqs" in results[2]["error"]
+    assert results[4]["values"]["kv_cache_dtype"] == "bfloat16"

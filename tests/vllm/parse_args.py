@@ -33,6 +33,7 @@ CHECKED = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "dtype",
+    "kv_cache_dtype",
     "seed",
 )
 
