@@ -216,6 +216,13 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter, int64_
   });
 }
 
+// float32 -> bfloat16 or float16, element by element as to_half rounds.
+template <typename T>
+void narrow_row(const float* src, T* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_half(src[i], T());
+}
+
 void check_half(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name,
@@ -323,8 +330,12 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.stride(3) == 1 &&
                   v_cache.stride(3) == 1,
               "caches must be [num_blocks, block_size, heads, d] with a contiguous head dimension");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              "key/value and caches must share a dtype");
+  const at::ScalarType src_type = key.scalar_type(), cache_type = k_cache.scalar_type();
+  TORCH_CHECK(value.scalar_type() == src_type && v_cache.scalar_type() == cache_type,
+              "key and value, and k_cache and v_cache, must share a dtype");
+  const bool narrowing = src_type == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf);
+  TORCH_CHECK(src_type == cache_type || narrowing,
+              "key/value and caches must share a dtype, or be float32 over bfloat16 or float16 caches");
   TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "head shapes differ");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "the head dimension must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
@@ -332,7 +343,6 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   const int64_t num_tokens = key.size(0), heads = key.size(1), d = key.size(2);
   const int64_t block_size = k_cache.size(1);
   const int64_t num_slots = k_cache.size(0) * block_size;
-  const int64_t row_bytes = d * key.element_size();
   const auto slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " out of range");
@@ -340,7 +350,18 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   const char* v = static_cast<const char*>(value.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t es = key.element_size();
+  const int64_t src_es = key.element_size(), es = k_cache.element_size();
+  const int64_t row_bytes = d * es;
+  // A row is copied as it is, or narrowed from float32 with the rounding of torch's .to().
+  auto store = [&](char* dst, const char* src) {
+    if (!narrowing) {
+      std::memcpy(dst, src, row_bytes);
+    } else if (cache_type == at::kBFloat16) {
+      narrow_row(reinterpret_cast<const float*>(src), reinterpret_cast<c10::BFloat16*>(dst), d);
+    } else {
+      narrow_row(reinterpret_cast<const float*>(src), reinterpret_cast<c10::Half*>(dst), d);
+    }
+  };
   // Element offsets from the caches' strides: the pool may be laid out block-major with each (block,
   // head) contiguous and exposed as a permuted view.
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
@@ -350,10 +371,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
       if (slot[t] < 0) continue;  // padding: nothing to store
       const int64_t block = slot[t] / block_size, pos = slot[t] % block_size;
       for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kc + (block * kb + pos * kt + h * kh) * es, k + (t * key.stride(0) + h * key.stride(1)) * es,
-                    row_bytes);
-        std::memcpy(vc + (block * vb + pos * vt + h * vh) * es,
-                    v + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
+        store(kc + (block * kb + pos * kt + h * kh) * es, k + (t * key.stride(0) + h * key.stride(1)) * src_es);
+        store(vc + (block * vb + pos * vt + h * vh) * es, v + (t * value.stride(0) + h * value.stride(1)) * src_es);
       }
     }
   });

@@ -9,6 +9,9 @@
 // bfloat16 items with more rows (prefill tiles) run QK^T and PV on AMX tiles where the CPU has them
 // (attend_amx). Other items convert K/V to fp32 rows in scratch.
 //
+// The query (and output) dtype is either the caches' or float32 over bfloat16 or float16 caches (fp32
+// compute over a half-precision pool); the bfloat16 paths above serve only an all-bfloat16 call.
+//
 // Shapes (strides are taken from the tensors; the last dimension must be contiguous):
 //   query:           [num_tokens, num_heads, head_size]
 //   k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_size]
@@ -101,7 +104,6 @@ inline int round_up_16(int n) { return (n + 15) / 16 * 16; }
 
 // Key rows and score rows (one chunk of keys) are padded to a multiple of 16 for the 16-key score
 // kernel; padding rows hold zeros or stale (finite) converted keys, and their scores are masked.
-template <typename T>
 struct Scratch {
   std::vector<float> q, acc, k, v, s, m, l;
   explicit Scratch(int rows, int chunk, int d)
@@ -233,7 +235,7 @@ template <int HEAD>
 void attend_bf16_rows(const WorkItem& item, const c10::BFloat16* query, const c10::BFloat16* k_cache,
                       const c10::BFloat16* v_cache, c10::BFloat16* out, const int32_t* query_start_loc,
                       const int32_t* seq_lens, const int32_t* block_tables, const Strides& st, int num_heads,
-                      int group, int block_size, float scale, Scratch<c10::BFloat16>& sc) {
+                      int group, int block_size, float scale, Scratch& sc) {
   constexpr int d = HEAD;
   constexpr int kPairs = HEAD / 32;
   const auto [context, first_token, rows] = item_span(item, query_start_loc, seq_lens, group);
@@ -536,14 +538,15 @@ void attend_amx(const WorkItem& item, const c10::BFloat16* query, const c10::BFl
 }
 #endif
 
-// HEAD: the head size when known at compile time (fixed trip counts), 0 for any.
-template <typename T, int HEAD>
-void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_cache, T* out,
+// T: the query's and output's element type, C: the caches'. HEAD: the head size when known at compile
+// time (fixed trip counts), 0 for any.
+template <typename T, typename C, int HEAD>
+void attend(const WorkItem& item, const T* query, const C* k_cache, const C* v_cache, T* out,
             const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
-            const Strides& st, int num_heads, int group, int block_size, int head, float scale,
-            Scratch<T>& sc) {
+            const Strides& st, int num_heads, int group, int block_size, int head, float scale, Scratch& sc) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && HEAD > 0 && HEAD % 32 == 0) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && HEAD > 0 &&
+                HEAD % 32 == 0) {
     if ((item.q_end - item.q_begin) * group <= kChunkMinRows)
       return attend_bf16_rows<HEAD>(item, query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
                                     st, num_heads, group, block_size, scale, sc);
@@ -596,10 +599,10 @@ void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_c
   // Converts the chunk's first n keys (or values) to fp32 rows dst[0 .. n): key k lies in block
   // table[blk + k / block_size] (walked block by block, no division per key).
   int blk = 0;
-  auto load_keys = [&](const T* cache, int64_t block_stride, int64_t head_offset, int64_t token_stride,
+  auto load_keys = [&](const C* cache, int64_t block_stride, int64_t head_offset, int64_t token_stride,
                        int n, float* dst) {
     for (int j = 0, k0 = 0; k0 < n; ++j, k0 += block_size) {
-      const T* b = cache + int64_t(table[blk + j]) * block_stride + head_offset;
+      const C* b = cache + int64_t(table[blk + j]) * block_stride + head_offset;
       const int stop = std::min(block_size, n - k0);
       for (int k = 0; k < stop; ++k) load_row(b + k * token_stride, dst + (k0 + k) * d, d);
     }
@@ -700,7 +703,7 @@ void attend(const WorkItem& item, const T* query, const T* k_cache, const T* v_c
   }
 }
 
-template <typename T, int HEAD>
+template <typename T, typename C, int HEAD>
 void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
          double scale) {
@@ -732,8 +735,8 @@ void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
   const T* q = reinterpret_cast<const T*>(query.data_ptr());
-  const T* kc = reinterpret_cast<const T*>(k_cache.data_ptr());
-  const T* vc = reinterpret_cast<const T*>(v_cache.data_ptr());
+  const C* kc = reinterpret_cast<const C*>(k_cache.data_ptr());
+  const C* vc = reinterpret_cast<const C*>(v_cache.data_ptr());
   T* o = reinterpret_cast<T*>(out.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -741,28 +744,28 @@ void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v
   std::atomic<int64_t> next{0};
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T> sc(max_rows, blocks_per_chunk(block_size) * block_size, head);
+    Scratch sc(max_rows, blocks_per_chunk(block_size) * block_size, head);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-        attend<T, HEAD>(items[i], q, kc, vc, o, qsl, lens, tables, st, num_heads, group, block_size, head,
-                        static_cast<float>(scale), sc);
+        attend<T, C, HEAD>(items[i], q, kc, vc, o, qsl, lens, tables, st, num_heads, group, block_size,
+                           head, static_cast<float>(scale), sc);
       }
     }
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head(int head, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    at::Tensor& out, const at::Tensor& qsl, const at::Tensor& lens, const at::Tensor& tables,
                    double scale) {
   switch (head) {
-    case 32: return run<T, 32>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
-    case 64: return run<T, 64>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
-    case 80: return run<T, 80>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
-    case 96: return run<T, 96>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
-    case 128: return run<T, 128>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
-    case 256: return run<T, 256>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
-    default: return run<T, 0>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 32: return run<T, C, 32>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 64: return run<T, C, 64>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 80: return run<T, C, 80>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 96: return run<T, C, 96>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 128: return run<T, C, 128>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    case 256: return run<T, C, 256>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
+    default: return run<T, C, 0>(query, k_cache, v_cache, out, qsl, lens, tables, scale);
   }
 }
 
@@ -772,8 +775,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
-              "query and caches must share a dtype");
+  const at::ScalarType q_type = query.scalar_type(), c_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == c_type, "k_cache and v_cache must share a dtype; got ", c_type, " and ",
+              v_cache.scalar_type());
+  const bool same = q_type == c_type && (q_type == at::kFloat || q_type == at::kBFloat16 || q_type == at::kHalf);
+  const bool widened = q_type == at::kFloat && (c_type == at::kBFloat16 || c_type == at::kHalf);
+  TORCH_CHECK(same || widened, "unsupported dtypes: a ", q_type, " query over ", c_type,
+              " caches (the caches must be the query's float32, bfloat16 or float16, or bfloat16 or float16 "
+              "under a float32 query)");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(query.size(2) == k_cache.size(3), "head sizes differ");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
@@ -787,18 +796,18 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   if (query.size(0) == 0) return out;
   const int head = query.size(2);
   const auto& qsl = query_start_loc;
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      dispatch_head<float>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
-      break;
-    case at::kBFloat16:
-      dispatch_head<c10::BFloat16>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
-      break;
-    case at::kHalf:
-      dispatch_head<c10::Half>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
+  using B = c10::BFloat16;
+  using H = c10::Half;
+  if (widened && c_type == at::kBFloat16) {
+    dispatch_head<float, B>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
+  } else if (widened) {
+    dispatch_head<float, H>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
+  } else if (q_type == at::kFloat) {
+    dispatch_head<float, float>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
+  } else if (q_type == at::kBFloat16) {
+    dispatch_head<B, B>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
+  } else {
+    dispatch_head<H, H>(head, query, k_cache, v_cache, out, qsl, seq_lens, block_tables, scale);
   }
   return out;
 }
