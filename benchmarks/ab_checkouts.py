@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--label", default="")
     args = ap.parse_args()
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
     tok_s: dict[str, list[float]] = {"a": [], "b": []}
     for _ in range(args.rounds):
         for name, path in (("a", args.a), ("b", args.b)):
@@ -75,7 +78,10 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"ab_checkouts{('_' + args.label) if args.label else ''}.json"
     out.write_text(
-        json.dumps({"args": vars(args), "out_tok_per_s": tok_s, "ratio_b_over_a": mb / ma}, indent=2)
+        json.dumps(
+            {"isa": isa.describe(), "args": vars(args), "out_tok_per_s": tok_s, "ratio_b_over_a": mb / ma},
+            indent=2,
+        )
     )
     print(f"wrote {out}")
 

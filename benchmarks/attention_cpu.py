@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cpu_ops, torch_ops
+from kvpilot.kernels import cpu_ops, isa, torch_ops
 from kvpilot.kernels.metadata import AttentionMetadata
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "attention_cpu.json")
     args = parser.parse_args(argv)
+    print(isa.summary_line(), flush=True)
 
     rng = random.Random(0)
     n, s = args.num_seqs, args.seq_len
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "attention_cpu",
         "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "isa": isa.describe(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "rows": rows,
     }

@@ -122,6 +122,9 @@ def main() -> None:
     ap.add_argument("--tokens", default="64,512", help="token counts per call")
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
     torch.set_num_threads(args.threads)
 
     import torch._inductor.config as inductor_config
@@ -177,7 +180,12 @@ def main() -> None:
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"inductor_ab_t{args.threads}.json"
-    out.write_text(json.dumps({"model": args.model, "threads": args.threads, "by_tokens": results}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"isa": isa.describe(), "model": args.model, "threads": args.threads, "by_tokens": results},
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

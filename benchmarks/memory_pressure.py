@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
     import torch
 
     if args.threads:
@@ -145,7 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
-            {"model": model, "need_blocks": need_blocks, "tight_blocks": tight, "results": results}, indent=2
+            {
+                "isa": isa.describe(),
+                "model": model,
+                "need_blocks": need_blocks,
+                "tight_blocks": tight,
+                "results": results,
+            },
+            indent=2,
         )
     )
     print(f"wrote {out}")

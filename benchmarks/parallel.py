@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = ap.parse_args(argv)
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
 
     from transformers import AutoConfig
 
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / f"parallel-{Path(args.model).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
+        "isa": isa.describe(),
         "model": args.model,
         "dtype": args.dtype,
         "num_requests": len(work),

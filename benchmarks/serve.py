@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--label", default=None, help="name of the result files (default: the model name)")
     args = ap.parse_args(argv)
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
     levels_wanted = [int(c) for c in args.concurrency.split(",") if c.strip()]
 
     info = server_info(args)
@@ -285,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "benchmark": "serve",
+                "isa": isa.describe(),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "config": {k: v for k, v in vars(args).items() if k != "api_key"},
                 "server": info,

@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = ap.parse_args(argv)
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
     base = SoakConfig(
         model_dir=ensure_model(args),
         duration_s=args.duration,
@@ -379,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results)
     out = args.out or RESULTS / f"soak-{Path(base.model_dir).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": base.model_dir, "results": results}, indent=2))
+    out.write_text(json.dumps({"isa": isa.describe(), "model": base.model_dir, "results": results}, indent=2))
     print(f"wrote {out}")
     return 0 if all(not r["failures"] for r in results) else 1
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.engine.models.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from kvpilot.kernels import isa
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    print(isa.summary_line(), flush=True)
     torch.set_num_threads(args.threads)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     engine = make_engine(args)
@@ -82,7 +84,11 @@ def main() -> None:
         print(f"  {name:40s} {mc:8.2f} {mw:8.2f} {base / mc:8.2f}x")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "step_ab.json"
-    out.write_text(json.dumps({"model": args.model, "threads": args.threads, "variants": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {"isa": isa.describe(), "model": args.model, "threads": args.threads, "variants": rows}, indent=2
+        )
+    )
     print(f"wrote {out}")
 
 

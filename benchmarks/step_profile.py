@@ -1,8 +1,8 @@
 """Where one engine step goes at N running decode sequences: attention, linears, elementwise, sampler,
 Python input preparation, output processing.
 
-Builds an ``LLMEngine`` on a checkpoint (bf16), adds ``--num-seqs`` requests with ``--prompt-len``
-token prompts, steps until every one of them decodes, then profiles ``--steps`` decode steps with
+Builds an ``LLMEngine`` on a checkpoint (``--dtype``, bf16 by default), adds ``--num-seqs`` requests
+with ``--prompt-len`` token prompts, steps until every one of them decodes, then profiles ``--steps`` decode steps with
 ``torch.profiler`` (op self times grouped by category) and times the phases of ``LLMEngine.step`` by
 process CPU time (meaningful on a shared machine at one thread) and wall time.
 
@@ -55,7 +55,8 @@ def make_engine(args):
     return LLMEngine(
         EngineArgs(
             model=args.model,
-            dtype="bfloat16",
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=1024,
             enable_prefix_caching=False,
             kv_cache_memory_bytes=2 << 30,
@@ -180,8 +181,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--label", default="")
+    ap.add_argument("--dtype", default="bfloat16", help="the engine's dtype (auto: its choice for this CPU)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
     torch.set_num_threads(args.threads)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     engine = make_engine(args)
@@ -206,6 +212,7 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {
+                "isa": isa.describe(),
                 "model": args.model,
                 "threads": args.threads,
                 "running": running,

@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = ap.parse_args(argv)
+    from kvpilot.kernels import isa
+
+    print(isa.summary_line(), flush=True)
 
     import torch
 
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / f"throughput-{Path(model).name}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
+        "isa": isa.describe(),
         "model": model,
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
