@@ -2,7 +2,8 @@
 Python input preparation, output processing.
 
 Builds an ``LLMEngine`` on a checkpoint (``--dtype``, bf16 by default), adds ``--num-seqs`` requests
-with ``--prompt-len`` token prompts, steps until every one of them decodes, then profiles ``--steps`` decode steps with
+with ``--prompt-len`` token prompts, steps until every one of them decodes, then profiles ``--steps``
+decode steps with
 ``torch.profiler`` (op self times grouped by category) and times the phases of ``LLMEngine.step`` by
 process CPU time (meaningful on a shared machine at one thread) and wall time.
 
