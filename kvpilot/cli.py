@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import signal
 import sys
 from collections.abc import Iterable
 
@@ -98,8 +99,21 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def exit_cleanly_on_sigterm() -> None:
+    """SIGTERM exits 0 until the command installs its own handlers: a pod stopped while its process is
+    still importing has nothing to clean up, and a kill by the signal's default action would read as a
+    failure (exit 143)."""
+
+    def stop(signum, frame) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "operator":
+        exit_cleanly_on_sigterm()
     problem = missing_extras_message(argv[0]) if argv else None
     if problem is None and argv and argv[0] in SUBCOMMANDS and missing_modules([SUBCOMMANDS[argv[0]]]):
         # The slim operator image leaves out the local platform (and the demo) on purpose.

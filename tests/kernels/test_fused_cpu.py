@@ -3,8 +3,8 @@ them against the engine without them.
 
 bfloat16 (the dtype the model uses them for): rotary and the residual add are bit for bit torch's;
 RMSNorm and SiLU x up may differ from torch in the last fp32 bit before a rounding, which can move the
-result by a unit in the last place (two for RMSNorm, whose normalised value is rounded before the
-weight multiplies it), on a small fraction of elements. float16 (the scalar path, which the model does
+result by two units in the last place (the normalised value and silu(gate) are rounded before the
+weight or up multiplies them), on a small fraction of elements. float16 (the scalar path, which the model does
 not use: torch's own float16 ops round differently): the same bounds, rotary within two units of its
 inputs' magnitude. Hidden sizes that are not a multiple of 16 exercise the masked tails.
 """
@@ -106,7 +106,9 @@ def test_silu_and_mul_matches_torch(fused, dtype, tokens, inter):
     gate, up = gate_up.split(inter, dim=-1)
     ref = F.silu(gate) * up
     out = fused.silu_and_mul(gate_up)
-    _within_ulps(out, ref, 0.01)
+    # silu(gate) is rounded before up multiplies it: a last-bit difference there moves the product by up
+    # to two units in its last place, as RMSNorm's rounded normalised value does.
+    _within_ulps(out, ref, 0.01, ulps=2)
 
 
 def test_fused_ops_reject_other_dtypes(fused):

@@ -29,6 +29,7 @@ def non_default_values() -> dict:
         "preemption_mode": "swap",
         "device": "cpu",
         "dtype": "bfloat16",
+        "kv_cache_dtype": "float16",
         "attention_backend": "torch",
         "block_size": 32,
         "gpu_memory_utilization": 0.85,
