@@ -5,6 +5,9 @@
 
 namespace kvpilot_cpu {
 
+// The ops take float32, bfloat16 or float16 (one dtype for all of an op's tensors); half() rounds to the
+// half-precision types and is the identity for float32.
+//
 // weight * half(rms_norm(float(x))): x [num_tokens, hidden] (rows contiguous), weight [hidden].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // residual <- half(x + residual), then rms_norm(residual, weight, eps); residual contiguous like x.
@@ -15,7 +18,8 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 // Stores key/value [T, Hkv, D] (rows may be strided) into the caches' slots (caches addressed by their
-// strides, the head dimension contiguous); negative slots are skipped.
+// strides, the head dimension contiguous); negative slots are skipped. key/value are in the caches'
+// dtype, or float32 over bfloat16 or float16 caches (rounded to nearest even, as torch's .to() rounds).
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slot_mapping);
 

@@ -7,10 +7,14 @@
 // (largest first) to the threads of ATen's pool. bfloat16 items with few rows (decode) take a path that
 // reads K and V straight from the cache with AVX512-BF16 (attend_bf16_rows), with no fp32 scratch copy;
 // bfloat16 items with more rows (prefill tiles) run QK^T and PV on AMX tiles where the CPU has them
-// (attend_amx). Other items convert K/V to fp32 rows in scratch.
+// (attend_amx). Other items convert K/V to fp32 rows in scratch, and compute scores, softmax and PV
+// 16 fp32 lanes at a time with AVX-512. On x86 CPUs with AVX2 and FMA but no AVX-512 the same loops run
+// 8 lanes wide, and items with few rows (decode) read K and V straight from the cache, converting them
+// in registers (attend_rows_8); elsewhere, and for head sizes not a multiple of the vector width, they
+// are portable loops the compiler vectorises.
 //
 // The query (and output) dtype is either the caches' or float32 over bfloat16 or float16 caches (fp32
-// compute over a half-precision pool); the bfloat16 paths above serve only an all-bfloat16 call.
+// compute over a half-precision pool); the AVX512-BF16 and AMX paths serve only an all-bfloat16 call.
 //
 // Shapes (strides are taken from the tensors; the last dimension must be contiguous):
 //   query:           [num_tokens, num_heads, head_size]
@@ -58,9 +62,11 @@ constexpr int kPrefetchBlocks = KVPILOT_PREFETCH_BLOCKS;
 #ifndef KVPILOT_ROWS_PREFETCH_BLOCKS
 #define KVPILOT_ROWS_PREFETCH_BLOCKS 3
 #endif
-// The same for the bfloat16 decode path, which requests them into L2 only (prefetcht1): at 64 decodes
-// of 512 tokens (d = 64, one thread, head-major pool) 3 or 4 blocks ahead into L2 measured 4.1 ms a
-// layer, 2 blocks into L1 4.4 ms, 6 or 8 blocks 4.6-4.8 ms, none 6.5 ms.
+// The same for the decode paths that read the cache in place (attend_bf16_rows, attend_rows_8), which
+// request them into L2 only (prefetcht1): at 64 decodes of 512 tokens (d = 64, one thread, head-major
+// pool) 3 or 4 blocks ahead into L2 measured 4.1 ms a layer, 2 blocks into L1 4.4 ms, 6 or 8 blocks
+// 4.6-4.8 ms, none 6.5 ms (AVX512-BF16). On an AVX2 CPU the scratch path measured the same with 2 to
+// 8 blocks ahead into L1 or L2.
 constexpr int kRowsPrefetchBlocks = KVPILOT_ROWS_PREFETCH_BLOCKS;
 
 // Keys per online-softmax step of a prefill tile (whole blocks, at least one): with many rows the max,
@@ -180,6 +186,197 @@ inline auto fp32_rows(const float* vf) {
     const float* vr = vf + k * HEAD;
     for (int j = 0; j < HEAD / 16; ++j) v[j] = _mm512_loadu_ps(vr + 16 * j);
   };
+}
+#elif defined(KVPILOT_AVX2)
+// softmax_step_16 on 8-wide registers.
+inline void softmax_step_8(float* sr, int num_keys, int visible, float block_max, float& m, float& l, float* acc,
+                           int d) {
+  const float new_max = std::max(m, block_max);
+  const __m256 shift = _mm256_set1_ps(new_max);
+  __m256 sum = _mm256_setzero_ps();
+  for (int c = 0; c < num_keys; c += 8) {
+    const __m256 p = _mm256_and_ps(first_lanes_8(visible - c),
+                                   exp_nonpositive_8(_mm256_sub_ps(_mm256_loadu_ps(sr + c), shift)));
+    sum = _mm256_add_ps(sum, p);
+    _mm256_storeu_ps(sr + c, p);
+  }
+  if (new_max != m) {
+    // The first visible block has m = -inf: alpha 0 keeps the empty accumulator empty.
+    const float alpha = std::isinf(m) ? 0.0f : exp_nonpositive(m - new_max);
+#pragma omp simd
+    for (int i = 0; i < d; ++i) acc[i] *= alpha;
+    l *= alpha;
+    m = new_max;
+  }
+  l += reduce_add_8(sum);
+}
+
+// acc[r][c0, c0 + 8 V) += sum over keys k < num_keys of p[r][k] * v[k][c0, c0 + 8 V), for rows r0 ..
+// r0 + R - 1 together: each V vector (``load_v(k, column)``, 8 fp32 values) is loaded once for the R
+// rows, and the R * V accumulators stay in registers. GCC kept a copy of the accumulator array on the
+// stack, stored on every key (1.5x the time of a whole prefill item), unless its loops are unrolled
+// before it is split into registers: hence the pragmas and the flat array.
+template <int HEAD, int R, int V, typename LoadV>
+inline void pv_rows_8(const float* s, int s_stride, float* acc, int r0, int c0, int num_keys,
+                      const LoadV& load_v) {
+  __m256 a[R * V];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) a[r * V + j] = _mm256_loadu_ps(acc + (r0 + r) * HEAD + c0 + 8 * j);
+  for (int k = 0; k < num_keys; ++k) {
+    __m256 p[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) p[r] = _mm256_broadcast_ss(s + (r0 + r) * s_stride + k);
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) {
+      const __m256 v = load_v(k, c0 + 8 * j);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) a[r * V + j] = _mm256_fmadd_ps(p[r], v, a[r * V + j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) _mm256_storeu_ps(acc + (r0 + r) * HEAD + c0 + 8 * j, a[r * V + j]);
+}
+
+// The column registers of one pv_rows_8 pass over R rows: the largest divisor of the row's vectors
+// with at most 12 accumulators, which leaves the 16 registers room for the R probabilities and a V
+// vector (a row's HEAD / 8 accumulators alone may not fit).
+constexpr int pv_columns_8(int vecs, int rows) {
+  for (int v = std::min(vecs, 8); v > 1; --v)
+    if (vecs % v == 0 && v * rows <= 12) return v;
+  return 1;
+}
+
+// acc += P V for the n <= R rows r0 .. r0 + n - 1 (the count chosen at run time, the register blocking
+// at compile time), all columns, column registers a pass.
+template <int HEAD, int R, typename LoadV>
+inline void pv_upto_8(int n, const float* s, int s_stride, float* acc, int r0, int num_keys, const LoadV& load_v) {
+  if constexpr (R > 1) {
+    if (n < R) return pv_upto_8<HEAD, R - 1>(n, s, s_stride, acc, r0, num_keys, load_v);
+  }
+  constexpr int kCols = pv_columns_8(HEAD / 8, R);
+  for (int c0 = 0; c0 < HEAD; c0 += 8 * kCols)
+    pv_rows_8<HEAD, R, kCols>(s, s_stride, acc, r0, c0, num_keys, load_v);
+}
+
+// The rows of a pv_rows_8 pass over fp32 scratch rows: the fewest that give 8 accumulators, enough
+// independent FMA chains to hide the FMA latency. More rows (fewer columns) a pass measured no faster
+// on 512-token prefills (d = 32, 64, 128, one thread), 10-15% slower at d = 64 and 128.
+constexpr int pv_rows_for_8(int vecs) {
+  int r = 1;
+  while (r * pv_columns_8(vecs, r) < 8 && r < 8) ++r;
+  return r;
+}
+
+// acc += P V for all rows, R at a time.
+template <int HEAD, int R, typename LoadV>
+inline void pv_8(int rows, const float* s, int s_stride, float* acc, int num_keys, const LoadV& load_v) {
+  for (int r0 = 0; r0 < rows; r0 += R)
+    pv_upto_8<HEAD, R>(std::min(R, rows - r0), s, s_stride, acc, r0, num_keys, load_v);
+}
+
+// Rows of fp32 values HEAD apart (V converted into scratch), or of the cache (``stride`` apart), for
+// pv_rows_8.
+template <int HEAD>
+inline auto fp32_rows_8(const float* vf) {
+  return [vf](int k, int column) { return _mm256_loadu_ps(vf + k * HEAD + column); };
+}
+template <typename C>
+inline auto cache_rows_8(const C* rows, int64_t stride) {
+  return [rows, stride](int k, int column) { return load8_fp32(rows + k * stride + column); };
+}
+
+// Scores of one fp32 query row (HEAD values) against the first n <= 8 key rows of the cache (``stride``
+// apart), converted in registers; lanes from n on are 0 and no row past n is read.
+template <int HEAD, typename C>
+inline __m256 scores_8_rows(const float* q, const C* keys, int64_t stride, int n) {
+  __m256 acc[8];
+  for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+  if (n >= 8) {
+    for (int i = 0; i < HEAD; i += 8) {
+      const __m256 qi = _mm256_loadu_ps(q + i);
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qi, load8_fp32(keys + k * stride + i), acc[k]);
+    }
+  } else {
+    for (int i = 0; i < HEAD; i += 8) {
+      const __m256 qi = _mm256_loadu_ps(q + i);
+      for (int k = 0; k < n; ++k) acc[k] = _mm256_fmadd_ps(qi, load8_fp32(keys + k * stride + i), acc[k]);
+    }
+  }
+  return sum_lanes_8(acc);
+}
+
+// The path of an item with few rows (decode) on AVX2: K and V are read straight from the cache (any of
+// the three types) and converted in registers, with no fp32 copy in scratch; block by block.
+template <typename T, typename C, int HEAD>
+void attend_rows_8(const WorkItem& item, const T* query, const C* k_cache, const C* v_cache, T* out,
+                   const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
+                   const Strides& st, int num_heads, int group, int block_size, float scale, Scratch& sc) {
+  constexpr int d = HEAD;
+  const auto [context, first_token, rows] = item_span(item, query_start_loc, seq_lens, group);
+  float* q = sc.q.data();
+  float* acc = sc.acc.data();
+  float* s = sc.s.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  for (int r = 0; r < rows; ++r) {
+    const int64_t token = first_token + r / group, q_head = item.kv_head * group + r % group;
+    float* row = q + r * d;
+    load_row(query + token * st.q_token + q_head * st.q_head, row, d);
+#pragma omp simd
+    for (int i = 0; i < d; ++i) row[i] *= scale;
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+  const int s_stride = round_up_16(block_size);
+  const int kv_end = context + item.q_end;
+  const int32_t* table = block_tables + item.req * st.table_row;
+  const C* kc = k_cache + item.kv_head * st.k_head;
+  const C* vc = v_cache + item.kv_head * st.v_head;
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int base = 0, blk = 0; base < kv_end; base += block_size, ++blk) {
+    const int num_keys = std::min(block_size, kv_end - base);
+    for (int ahead = blk == 0 ? 1 : kRowsPrefetchBlocks; ahead <= kRowsPrefetchBlocks; ++ahead) {
+      const int ahead_base = base + ahead * block_size;
+      if (ahead_base >= kv_end) break;
+      const int64_t next = table[blk + ahead];
+      const int next_keys = std::min(block_size, kv_end - ahead_base);
+      prefetch_rows<2>(kc + next * st.k_block, st.k_token, next_keys, d);
+      prefetch_rows<2>(vc + next * st.v_block, st.v_token, next_keys, d);
+    }
+    const C* kb = kc + int64_t(table[blk]) * st.k_block;
+    const C* vb = vc + int64_t(table[blk]) * st.v_block;
+    int max_visible = 0;
+    for (int r = 0; r < rows; ++r) {
+      const int position = context + item.q_begin + r / group;
+      const int visible = std::min(num_keys, position - base + 1);
+      float* sr = s + r * s_stride;
+      if (visible <= 0) {
+        std::fill(sr, sr + num_keys, 0.0f);
+        continue;
+      }
+      max_visible = std::max(max_visible, visible);
+      __m256 max8 = minus_inf;
+      for (int c = 0; c < visible; c += 8) {
+        const __m256 sc8 = _mm256_blendv_ps(
+            minus_inf, scores_8_rows<HEAD>(q + r * d, kb + c * st.k_token, st.k_token, visible - c),
+            first_lanes_8(visible - c));
+        max8 = _mm256_max_ps(max8, sc8);
+        _mm256_storeu_ps(sr + c, sc8);
+      }
+      softmax_step_8(sr, num_keys, visible, reduce_max_8(max8), m[r], l[r], acc + r * d, d);
+    }
+    // All rows in one pass (rows <= kChunkMinRows): each V row is read and converted once.
+    pv_8<HEAD, kChunkMinRows>(rows, s, s_stride, acc, max_visible, cache_rows_8(vb, st.v_token));
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t token = first_token + r / group, q_head = item.kv_head * group + r % group;
+    store_row(acc + r * d, 1.0f / l[r], out + (token * num_heads + q_head) * d, d);
+  }
 }
 #endif
 
@@ -556,6 +753,12 @@ void attend(const WorkItem& item, const T* query, const C* k_cache, const C* v_c
                               num_heads, group, block_size, scale);
 #endif
   }
+#elif defined(KVPILOT_AVX2)
+  if constexpr (HEAD > 0 && HEAD % 8 == 0) {
+    if ((item.q_end - item.q_begin) * group <= kChunkMinRows)
+      return attend_rows_8<T, C, HEAD>(item, query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+                                       st, num_heads, group, block_size, scale, sc);
+  }
 #endif
   const int d = HEAD ? HEAD : head;
   const auto [context, first_token, rows] = item_span(item, query_start_loc, seq_lens, group);
@@ -581,7 +784,7 @@ void attend(const WorkItem& item, const T* query, const C* k_cache, const C* v_c
   const int chunk_blocks = rows > kChunkMinRows ? blocks_per_chunk(block_size) : 1;
   const int chunk = chunk_blocks * block_size;
   const int s_stride = round_up_16(chunk);
-  const bool wide = kWide && d % 16 == 0;
+  const bool wide = kWide && d % kLanes == 0;
   // A row's running max rose to new_max: scale its accumulator and sum by exp(old - new).
   auto rescale = [&](int r, float new_max) {
     if (new_max == m[r]) return;
@@ -647,6 +850,20 @@ void attend(const WorkItem& item, const T* query, const C* k_cache, const C* v_c
         softmax_step_16(sr, num_keys, visible, block_max, m[r], l[r], acc + r * d, d);
         continue;
       }
+#elif defined(KVPILOT_AVX2)
+      if (wide) {
+        // Scores, max, exp and sum in registers, 8 keys at a time; lanes past `visible` are masked.
+        const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        __m256 max8 = minus_inf;
+        for (int c = 0; c < visible; c += 8) {
+          const __m256 sc8 =
+              _mm256_blendv_ps(minus_inf, scores_8<HEAD>(qr, kf + c * d, d), first_lanes_8(visible - c));
+          max8 = _mm256_max_ps(max8, sc8);
+          _mm256_storeu_ps(sr + c, sc8);
+        }
+        softmax_step_8(sr, num_keys, visible, reduce_max_8(max8), m[r], l[r], acc + r * d, d);
+        continue;
+      }
 #endif
       {
         for (int k = 0; k < visible; ++k) {
@@ -681,6 +898,14 @@ void attend(const WorkItem& item, const T* query, const C* k_cache, const C* v_c
         for (int r0 = 0; r0 < rows; r0 += kRows)
           pv_upto<HEAD, kRows>(std::min(kRows, rows - r0), s, s_stride, acc, r0, max_visible,
                                fp32_rows<HEAD>(vf));
+        continue;
+      }
+    }
+#elif defined(KVPILOT_AVX2)
+    if constexpr (HEAD > 0) {
+      if (wide) {
+        load_keys(v_cache, st.v_block, item.kv_head * st.v_head, st.v_token, max_visible, vf);
+        pv_8<HEAD, pv_rows_for_8(HEAD / 8)>(rows, s, s_stride, acc, max_visible, fp32_rows_8<HEAD>(vf));
         continue;
       }
     }

@@ -6,7 +6,11 @@ keys and values into such caches, rounded as torch's ``.to()`` rounds. The atten
 the torch reference on the caches upcast to float32 and against a dense float64 softmax, over head sizes
 with and without a specialised instantiation, block sizes, GQA groups, decode rows, prefill chunks with
 and without cached context, and token-major and head-major pools, on the build of every ISA level this
-CPU runs (``kernel_isa``). Every kernel result is bit-identical across thread counts.
+CPU runs (``kernel_isa``). On a CPU with AVX2 and FMA but no AVX-512 the default build runs the 8-wide
+score, softmax and PV loops (and reads a decode item's K/V straight from the cache), the portable level
+the omp-simd loops. The fused decoder-layer ops also take float32 (no rounding between the ops): they
+are checked against the torch float32 ops and a float64 reference. Every kernel result is bit-identical
+across thread counts.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from kvpilot.engine.models.llama import RotaryEmbedding
 from kvpilot.kernels import torch_ops
 
 from .conftest import make_paged_batch, pairwise
@@ -272,3 +278,101 @@ def test_write_kv_cache_rejects_other_combinations(ext):
         ext.write_kv_cache(key, key, caches[0], caches[1].half(), slots)
     with pytest.raises(RuntimeError, match="must share a dtype"):  # float64 rows
         ext.write_kv_cache(key.double(), key.double(), *caches, slots)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+# float32 fused ops: the torch ops' roundings up to the sum of squares' order and the exp approximation.
+FUSED_RTOL = 1e-6
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 768), (7, 100), (33, 4096), (5, 13)])
+def test_fp32_rms_norm_and_residual_add(ext, tokens, hidden):
+    """Hidden sizes not a multiple of 8 exercise the masked tails."""
+    g = torch.Generator().manual_seed(tokens * hidden)
+    x = torch.randn(tokens, hidden, generator=g) * 3
+    residual = torch.randn(tokens, hidden, generator=g)
+    weight = torch.randn(hidden, generator=g) * 0.5 + 1.0
+    eps = 1e-5
+    plain = ext.rms_norm(x, weight, eps)
+    assert plain.dtype == torch.float32
+    assert_within(plain, rms_norm_reference(x, weight, eps), 0.0, FUSED_RTOL, "rms_norm vs torch")
+    assert_within(plain, rms_norm_reference(x.double(), weight.double(), eps), 0.0, FUSED_RTOL, "vs float64")
+    updated = residual.clone()
+    out = ext.add_rms_norm_(x, updated, weight, eps)
+    assert torch.equal(updated, x + residual)  # one fp32 addition, as torch's
+    assert_within(out, rms_norm_reference(x + residual, weight, eps), 0.0, FUSED_RTOL, "add_rms_norm_")
+    dense = rms_norm_reference(x.double() + residual.double(), weight.double(), eps)
+    assert_within(out, dense, 0.0, FUSED_RTOL, "add_rms_norm_ vs float64")
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 128, 12])
+@pytest.mark.parametrize("heads", [(12, 4), (6, 1)])
+def test_fp32_rotary_in_place(ext, head_size, heads):
+    num_heads, num_kv_heads = heads
+    tokens = 19
+    g = torch.Generator().manual_seed(head_size * num_heads)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g)
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    angles = torch.rand(tokens, head_size // 2, generator=g) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(tokens, num_heads, head_size), k.view(tokens, num_kv_heads, head_size)
+    v_before = v.clone()
+    refs = [RotaryEmbedding.apply((cos[:, None], sin[:, None]), q, k)]
+    refs.append(RotaryEmbedding.apply((cos[:, None].double(), sin[:, None].double()), q.double(), k.double()))
+    ext.rotary_(q, k, cos, sin)
+    # A rotated value is a sum of two products that may cancel: the bound is relative to the inputs.
+    atol = FUSED_RTOL * qkv.abs().max().item()
+    for ref_q, ref_k in refs:
+        assert_within(q, ref_q, atol, FUSED_RTOL, f"rotary q d={head_size}")
+        assert_within(k, ref_k, atol, FUSED_RTOL, f"rotary k d={head_size}")
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 2048), (5, 37), (64, 512)])
+def test_fp32_silu_and_mul(ext, tokens, inter):
+    g = torch.Generator().manual_seed(tokens + inter)
+    gate_up = torch.randn(tokens, 2 * inter, generator=g) * 4
+    gate, up = gate_up.split(inter, dim=-1)
+    out = ext.silu_and_mul(gate_up)
+    assert out.dtype == torch.float32 and out.shape == (tokens, inter)
+    assert_within(out, F.silu(gate) * up, 0.0, FUSED_RTOL, "silu_and_mul vs torch")
+    assert_within(out, F.silu(gate.double()) * up.double(), 0.0, FUSED_RTOL, "vs float64")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_ops_are_bit_identical_across_thread_counts(ext, dtype):
+    g = torch.Generator().manual_seed(4)
+    tokens, hidden, heads, d = 70, 300, 4, 64
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weight = (torch.randn(hidden, generator=g) * 0.5 + 1).to(dtype)
+    qk = torch.randn(tokens, 2 * heads, d, generator=g).to(dtype)
+    emb = torch.rand(tokens, d // 2, generator=g).repeat(1, 2) * 50
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    gate_up = (torch.randn(tokens, 2 * hidden, generator=g) * 4).to(dtype)
+
+    def run(threads):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            res = residual.clone()
+            q, k = qk[:, :heads].clone(), qk[:, heads:].clone()
+            ext.rotary_(q, k, cos, sin)
+            outs = [ext.rms_norm(x, weight, 1e-5), ext.add_rms_norm_(x, res, weight, 1e-5), res, q, k]
+            return [*outs, ext.silu_and_mul(gate_up)]
+        finally:
+            torch.set_num_threads(saved)
+
+    for one, two in zip(run(1), run(2), strict=True):
+        assert one.dtype == dtype and torch.equal(one, two)
+
+
+def test_fused_ops_reject_float64(ext):
+    x = torch.randn(4, 32, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ext.rms_norm(x, torch.ones(32, dtype=torch.float64), 1e-5)

@@ -112,9 +112,9 @@ def test_silu_and_mul_matches_torch(fused, dtype, tokens, inter):
 
 
 def test_fused_ops_reject_other_dtypes(fused):
-    x = torch.randn(4, 32)
-    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        fused.rms_norm(x, torch.ones(32), 1e-5)
+    x = torch.randn(4, 32, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        fused.rms_norm(x, torch.ones(32, dtype=torch.float64), 1e-5)
 
 
 def test_engine_tokens_with_and_without_fused_ops(tiny_llama, fused):
