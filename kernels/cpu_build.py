@@ -189,8 +189,10 @@ def _build(name: str, directory: Path, openmp: bool, target: tuple[str, ...] | N
     return module
 
 
-def _load(openmp: bool) -> ModuleType:
-    name = f"kvpilot_cpu_attention_{build_key(openmp)}"
+def _load(openmp: bool, level: IsaLevel | None = None) -> ModuleType:
+    """The build for these flags (``level`` None: this CPU's own), from the cache or built now."""
+    target = level.target if level is not None else None
+    name = f"kvpilot_cpu_attention_{build_key(openmp, target)}"
     directory = cache_root() / name
     if (directory / _MARKER).exists():
         module = _import_built(name, directory)
@@ -198,13 +200,15 @@ def _load(openmp: bool) -> ModuleType:
             return module
     if (directory / _FAILED).exists():
         raise RuntimeError(f"an earlier build failed (remove {directory} to retry)")
-    logger.info("building the CPU attention kernel once (cached in %s)", directory)
+    what = "the CPU kernels" + (f" for ISA level {level.name}" if level is not None else "")
+    logger.info("building %s once (cached in %s)", what, directory)
     try:
-        return _build(name, directory, openmp)
+        return _build(name, directory, openmp, target)
     except Exception:
-        # Remembered for the OpenMP build only, which has a fallback: a start then goes straight to
-        # it. The last resort is tried again on every start (a compiler may have been installed).
-        if openmp:
+        # Remembered for the default OpenMP build only, which has a fallback: a start then goes
+        # straight to it. The last resort is tried again on every start (a compiler may have been
+        # installed), and so is a level's build, which a test asks for.
+        if openmp and level is None:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / _FAILED).write_text("the build with these flags failed\n")
         raise
@@ -240,14 +244,7 @@ def load_level(level: IsaLevel) -> ModuleType:
     """The kernels built for ``level`` (OpenMP on, cached like the default build), to test that
     level's code paths in this process; raises when the build fails. The CPU must be able to run it
     (``isa_levels``)."""
-    name = f"kvpilot_cpu_attention_{build_key(True, level.target)}"
-    directory = cache_root() / name
-    if (directory / _MARKER).exists():
-        module = _import_built(name, directory)
-        if module is not None:
-            return module
-    logger.info("building the CPU kernels for ISA level %s (cached in %s)", level.name, directory)
-    return _build(name, directory, True, level.target)
+    return _load(True, level)
 
 
 def compile_level(level: IsaLevel) -> None:

@@ -138,8 +138,10 @@ def paged_attention(
 
 
 class FusedOps:
-    """The fused decoder-layer ops of the C++ extension, used for bfloat16 CPU tensors (``DTYPES``: there
-    they match the torch ops bit for bit; float16 differs in the last bit now and then).
+    """The fused decoder-layer ops of the C++ extension, used for bfloat16 and float32 CPU tensors
+    (``DTYPES``). In bfloat16 they match the torch ops bit for bit; in float32 they differ from torch's
+    only where a sum of squares or an exp rounds differently (within 1e-6, and the float32 engine stays
+    token-identical to transformers); float16 differs in the last bit now and then, so it keeps torch's.
 
     ``rms_norm(x, weight, eps)``: ``weight * half(rms_norm(float(x)))``, ``x: [num_tokens, hidden]``.
     ``add_rms_norm_(x, residual, weight, eps)``: ``residual += x`` in place (rounded to the dtype), then
@@ -148,7 +150,7 @@ class FusedOps:
     ``silu_and_mul(gate_up)``: ``half(silu(gate)) * up`` of ``[T, 2 * I]``, gate first.
     """
 
-    DTYPES = (torch.bfloat16,)
+    DTYPES = (torch.bfloat16, torch.float32)
 
     def __init__(self, ext) -> None:
         self.rms_norm = ext.rms_norm

@@ -4,9 +4,9 @@ There is no batch dimension: ``input_ids`` and ``positions`` are ``[num_tokens]`
 the step together (prefill chunks and decodes mixed); attention finds each request's context through
 the ``AttentionMetadata`` block tables. Numerics follow Hugging Face transformers' implementation
 (RMSNorm in float32, rotary tables in float32 cast to the activation dtype) so that greedy outputs
-match it token for token. On the ``cpu`` backend in bfloat16 the residual add + RMSNorm, the rotary
-embedding and SiLU x up run as the backend's fused ops (``kvpilot.kernels.cpu_ops.FusedOps``), which
-keep those roundings. A layer returns its MLP output and the residual stream separately, so that their
+match it token for token. On the ``cpu`` backend in bfloat16 and float32 the residual add + RMSNorm,
+the rotary embedding and SiLU x up run as the backend's fused ops (``kvpilot.kernels.cpu_ops.FusedOps``),
+which keep those roundings. A layer returns its MLP output and the residual stream separately, so that their
 add can fuse with the next norm.
 
 One model for every parallel size: a rank holds its ``RankShard`` of the model, with the tensor-parallel
