@@ -6,6 +6,7 @@ into ``RequestOutput`` objects.
 
 * ``config``: ``EngineArgs``, whose fields are the CLI flags and the CRD's ``spec.engine`` keys.
 * ``engine_config``: the settings resolved once from the args, the checkpoint and the tokenizer.
+* ``cpu_threads``: the CPU thread count the engine runs with (affinity, cgroup quota, explicit settings).
 * ``errors``: the engine's typed errors (mapped to HTTP codes by the server).
 * ``sampling_params``: ``SamplingParams``, validated at the edge.
 * ``input_processor``: prompts -> requests: tokenization, validation, the ``n > 1`` fan-out.

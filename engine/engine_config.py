@@ -2,19 +2,19 @@
 
 ``resolve`` applies every default and cross-check (device, dtype, parallel layout, ``max_model_len``,
 the token budget, the EOS id, the CPU thread count) in one place; the engine and its parts read the
-resulting frozen ``EngineConfig`` and never re-apply a default.
+resulting frozen ``EngineConfig`` and never re-apply a default. Resolving changes nothing in the
+process: the engine applies the thread count when it starts (``cpu_threads.apply_num_threads``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.cpu_threads import resolve_num_threads
 from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.parallel import ParallelLayout, validate_parallel_sizes
@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int  # token budget of one step
     eos_token_id: int | None  # None: the model has no EOS, requests stop on length or stop tokens only
     num_threads: int = 0  # torch intra-op threads the engine runs with on CPU (0: not managed, CUDA)
+    threads_reason: str = ""  # where that count came from, for the start-up line
 
     def scheduler_config(self, args: EngineArgs) -> SchedulerConfig:
         """The scheduler's knobs: ``args``' own values plus the resolved lengths."""
@@ -68,7 +69,7 @@ def resolve(args: EngineArgs, model_config: ModelConfig, tokenizer) -> EngineCon
     )
     choice = resolve_dtype(args.dtype, model_config, device, args.kv_cache_dtype)
     max_model_len = resolve_max_model_len(args.max_model_len, model_config)
-    num_threads = apply_num_threads() if device.type == "cpu" else 0
+    num_threads, threads_reason = resolve_num_threads() if device.type == "cpu" else (0, "")
     return EngineConfig(
         device=device,
         dtype=choice.dtype,
@@ -79,6 +80,7 @@ def resolve(args: EngineArgs, model_config: ModelConfig, tokenizer) -> EngineCon
         max_num_batched_tokens=resolve_max_num_batched_tokens(args, max_model_len),
         eos_token_id=resolve_eos_token_id(tokenizer, model_config),
         num_threads=num_threads,
+        threads_reason=threads_reason,
     )
 
 
@@ -205,99 +207,3 @@ def resolve_eos_token_id(tokenizer, model_config: ModelConfig) -> int | None:
     if tokenizer.eos_token_id is not None:
         return tokenizer.eos_token_id
     return model_config.eos_token_ids[0] if model_config.eos_token_ids else None
-
-
-# --- CPU threads ---------------------------------------------------------------------------------------
-# torch's own default is the machine's physical cores, whatever the process may actually run on: in a
-# container limited to 4 CPUs of a 64-core node it starts 32 threads that the quota then throttles.
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
-def _positive(text: str | None) -> bool:
-    return bool(text) and text.isdigit() and int(text) > 0
-
-
-def cgroup_cpu_limit(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")):
-    """The CPU quota of this process's cgroup (the tightest along its path) in CPUs, or None for no quota.
-
-    Reads cgroup v2 ``cpu.max`` (``"max 100000"`` or ``"<quota> <period>"``) and v1
-    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (quota -1: none). A path that is not visible (a
-    container sees its own cgroup as the root) falls back to the root's files.
-    """
-    text = _read(proc_cgroup)
-    if text is None:
-        return None
-    limits: list[float] = []
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        names = [p for p in path.split("/") if p]
-        if controllers == "":  # cgroup v2: every ancestor's cpu.max limits the process
-            for depth in range(len(names), -1, -1):
-                value = _read(root.joinpath(*names[:depth], "cpu.max"))
-                quota, _, period = (value or "max").partition(" ")
-                if quota != "max" and _positive(quota) and _positive(period):
-                    limits.append(int(quota) / int(period))
-        elif "cpu" in controllers.split(","):
-            for base in (root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"):
-                for directory in (base.joinpath(*names), base):
-                    quota = _read(directory / "cpu.cfs_quota_us")
-                    period = _read(directory / "cpu.cfs_period_us")
-                    if _positive(quota) and _positive(period):
-                        limits.append(int(quota) / int(period))
-                        break
-    return min(limits) if limits else None
-
-
-def available_cpus(**cgroup_paths) -> int:
-    """CPUs this process may run on: its affinity mask, capped by its cgroup's CPU quota (rounded down,
-    so that the threads are never throttled), at least 1."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        count = os.cpu_count() or 1
-    limit = cgroup_cpu_limit(**cgroup_paths)
-    if limit is not None:
-        count = min(count, int(limit))
-    return max(1, count)
-
-
-def torch_default_num_threads(cpu_root: Path = Path("/sys/devices/system/cpu")) -> int:
-    """The thread count torch picks when nothing sets one: the machine's physical cores (as cpuinfo
-    counts them), else its logical CPUs."""
-    cores = set()
-    for topology in cpu_root.glob("cpu[0-9]*/topology"):
-        package, core = _read(topology / "physical_package_id"), _read(topology / "core_id")
-        if package is not None and core is not None:
-            cores.add((package, core))
-    return len(cores) or os.cpu_count() or 1
-
-
-def resolve_num_threads(environ=os.environ, current: int | None = None, default: int | None = None):
-    """``(threads, why)``: an explicit setting wins (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, or
-    ``torch.set_num_threads`` called before the engine starts, seen as a count other than torch's
-    default), else every CPU the process may run on (``available_cpus``)."""
-    current = torch.get_num_threads() if current is None else current
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        if environ.get(name, "").strip():
-            return current, name
-    if current != (torch_default_num_threads() if default is None else default):
-        return current, "torch.set_num_threads"
-    return available_cpus(), "the CPUs this process may run on (affinity and cgroup quota)"
-
-
-def apply_num_threads() -> int:
-    """Set torch's intra-op thread count per ``resolve_num_threads``, log it, and return it."""
-    threads, why = resolve_num_threads()
-    if threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
-    logger.info("CPU threads: %d (%s)", threads, why)
-    return threads

@@ -25,6 +25,7 @@ from kvpilot.engine.beam_search import (
 )
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.cpu_threads import apply_num_threads
 from kvpilot.engine.engine_config import EngineConfig, resolve
 from kvpilot.engine.input_processor import InputProcessor
 from kvpilot.engine.memory import format_bytes
@@ -78,6 +79,8 @@ class LLMEngine(ShutdownOnExit):
         self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
         self.engine_config: EngineConfig = resolve(args, cfg, self.tokenizer)
         config = self.engine_config
+        if config.num_threads:
+            apply_num_threads(config.num_threads, config.threads_reason)
 
         self.backend = get_backend(args.attention_backend, self.device.type)
         torch.manual_seed(args.seed)

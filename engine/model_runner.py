@@ -184,11 +184,8 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.device,
             num_cpu_blocks,
-            # The cpu backend's kernels address the pool by its strides: one contiguous run per
-            # (block, KV head), which decode attention reads ~10-15% faster (benchmarks/attention_cpu.py).
-            head_major=self.backend.name == "cpu",
-            # Its kernels never read a slot that was not written (tested with NaN in every other slot).
-            zero_fill=self.backend.name != "cpu",
+            head_major=self.backend.head_major_kv,
+            zero_fill=self.backend.needs_zeroed_kv,
         )
         return self.kv_cache
 

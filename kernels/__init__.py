@@ -17,26 +17,46 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpilot.kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "resolve_backend_name"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "FusedDecoderOps", "get_backend", "resolve_backend_name"]
 
 BACKENDS = ("torch", "triton", "cpu")
 
 
+class FusedDecoderOps(Protocol):
+    """Fused decoder-layer ops a backend may offer (``cpu_ops.FusedOps``), for the dtypes in
+    ``DTYPES``; the model runs its torch ops for any other."""
+
+    DTYPES: tuple
+
+    def rms_norm(self, x, weight, eps: float): ...
+    def add_rms_norm_(self, x, residual, weight, eps: float): ...
+    def rotary_(self, q, k, cos, sin) -> None: ...
+    def silu_and_mul(self, gate_up): ...
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
-    """The ops of one backend (see ``torch_ops`` for their contracts)."""
+    """The ops of one backend (see ``torch_ops`` for their contracts) and what it declares about the KV
+    pool; the engine asks these, never the backend's name."""
 
     name: str
     write_kv_cache: Callable
     paged_attention: Callable
     copy_blocks: Callable
     swap_blocks: Callable
-    # The cpu backend's fused decoder-layer ops (``cpu_ops.FusedOps``); None elsewhere, where the model
-    # runs its torch ops.
-    fused: object | None = None
+    # Fused decoder-layer ops, or None: the model runs its torch ops.
+    fused: FusedDecoderOps | None = None
+    # The pool's storage order within a layer: False is ``[num_blocks, block_size, num_kv_heads,
+    # head_size]``; True stores one contiguous run per (block, KV head), ``[num_blocks, num_kv_heads,
+    # block_size, head_size]``, which the ops still see through the first shape's view (by strides).
+    head_major_kv: bool = False
+    # The ops read masked-out padding slots of a block, which must then hold finite values (a pool
+    # allocated zeroed); False: they never read a slot that was not written.
+    needs_zeroed_kv: bool = True
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
@@ -82,4 +102,9 @@ def get_backend(name: str = "auto", device_type: str = "cpu") -> AttentionBacken
         copy_blocks=ops.copy_blocks,
         swap_blocks=ops.swap_blocks,
         fused=ops.fused_ops() if name == "cpu" else None,
+        # The C++ kernels address the pool by its strides: one contiguous run per (block, KV head),
+        # which decode attention reads ~10-15% faster (benchmarks/attention_cpu.py); they never read a
+        # slot that was not written (tested with NaN in every other slot).
+        head_major_kv=name == "cpu",
+        needs_zeroed_kv=name != "cpu",
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM
-from kvpilot.engine.engine_config import (
+from kvpilot.engine.cpu_threads import (
     available_cpus,
     cgroup_cpu_limit,
     resolve_num_threads,
@@ -78,8 +78,8 @@ def test_engine_start_sets_the_default_and_keeps_an_explicit_one(tiny_llama, mon
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     # Pretend the machine's default is the current count, whatever this session has done to it.
-    monkeypatch.setattr("kvpilot.engine.engine_config.torch_default_num_threads", lambda: saved)
-    monkeypatch.setattr("kvpilot.engine.engine_config.available_cpus", lambda: saved + 1)
+    monkeypatch.setattr("kvpilot.engine.cpu_threads.torch_default_num_threads", lambda: saved)
+    monkeypatch.setattr("kvpilot.engine.cpu_threads.available_cpus", lambda: saved + 1)
     try:
         llm = LLM(str(tiny_llama), device="cpu", num_gpu_blocks_override=64)
         assert llm.llm_engine.engine_config.num_threads == saved + 1
@@ -93,3 +93,24 @@ def test_engine_start_sets_the_default_and_keeps_an_explicit_one(tiny_llama, mon
         llm.shutdown()
     finally:
         torch.set_num_threads(saved)
+
+
+def test_resolving_the_config_sets_no_threads(tiny_llama, monkeypatch):
+    """``engine_config.resolve`` only decides the count; the engine applies it when it starts."""
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.engine_config import resolve
+    from kvpilot.engine.llm_engine import load_tokenizer
+    from kvpilot.engine.models.config import ModelConfig
+
+    saved = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr("kvpilot.engine.cpu_threads.torch_default_num_threads", lambda: saved)
+    monkeypatch.setattr("kvpilot.engine.cpu_threads.available_cpus", lambda: saved + 1)
+    config = resolve(
+        EngineArgs(model=str(tiny_llama), device="cpu"),
+        ModelConfig.from_pretrained(tiny_llama),
+        load_tokenizer(tiny_llama),
+    )
+    assert (config.num_threads, torch.get_num_threads()) == (saved + 1, saved)
+    assert "affinity" in config.threads_reason

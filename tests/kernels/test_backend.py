@@ -117,3 +117,37 @@ def test_torch_path_works_without_triton(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok"
+
+
+def test_the_pool_follows_what_the_backend_declares(monkeypatch, tiny_llama):
+    # The runner lays out and fills the KV pool from the backend's declarations, not from its name: the
+    # torch backend declared head-major and unzeroed gets a head-major pool and still decodes (its ops
+    # read the pool through the standard view, by strides).
+    import dataclasses
+
+    import kvpilot.engine.llm_engine as llm_engine
+    import kvpilot.engine.parallel.rank as rank
+    from kvpilot.engine import LLM, SamplingParams
+
+    def declared(name, device_type):
+        return dataclasses.replace(get_backend(name, device_type), head_major_kv=True, needs_zeroed_kv=False)
+
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    engine_args = dict(attention_backend="torch", dtype="float32", block_size=8, num_gpu_blocks_override=64)
+    prompts = [{"prompt_token_ids": [5, 9, 14, 3, 8, 21, 7]}]
+    plain = LLM(str(tiny_llama), **engine_args)
+    try:
+        assert not plain.llm_engine.runner.kv_cache.head_major
+        expected = plain.generate(prompts, params)[0].outputs[0].token_ids
+    finally:
+        plain.shutdown()
+    monkeypatch.setattr(llm_engine, "get_backend", declared)
+    monkeypatch.setattr(rank, "get_backend", declared)  # a rank builds its backend from the name
+    llm = LLM(str(tiny_llama), **engine_args)
+    try:
+        assert llm.llm_engine.backend.name == "torch"
+        assert llm.llm_engine.runner.kv_cache.head_major
+        assert llm.generate(prompts, params)[0].outputs[0].token_ids == expected
+    finally:
+        llm.shutdown()
+    assert get_backend("torch", "cpu").needs_zeroed_kv and not get_backend("torch", "cpu").head_major_kv
