@@ -45,6 +45,7 @@ class WasteProbe:
 
 def run(model: str, work, args, **engine_kwargs):
     from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine.stats import StepCallback
 
     llm = LLM(
         model,
@@ -59,9 +60,9 @@ def run(model: str, work, args, **engine_kwargs):
     )
     engine = llm.llm_engine
     prefill = []
-    engine.stat_loggers.append(lambda s, it: prefill.append(it.num_prefill_tokens))
+    engine.stat_loggers.append(StepCallback(lambda s, it: prefill.append(it.num_prefill_tokens)))
     probe = WasteProbe(engine, engine.max_model_len)
-    engine.stat_loggers.append(probe)
+    engine.stat_loggers.append(StepCallback(probe))
     params = [
         SamplingParams(temperature=0.0, max_tokens=w.output_len, min_tokens=w.output_len, ignore_eos=True)
         for w in work

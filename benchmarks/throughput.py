@@ -112,6 +112,7 @@ class StepRecorder:
 
 def run_kvpilot(model: str, work: list[WorkItem], args, static: bool) -> dict:
     from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine.stats import StepCallback
 
     t0 = time.perf_counter()
     llm = LLM(model, **engine_kwargs(args))
@@ -127,7 +128,7 @@ def run_kvpilot(model: str, work: list[WorkItem], args, static: bool) -> dict:
         [{"prompt_token_ids": w.prompt_token_ids} for w in warm], [params(w) for w in warm], use_tqdm=False
     )
     recorder = StepRecorder()
-    llm.llm_engine.stat_loggers.append(recorder)
+    llm.llm_engine.stat_loggers.append(StepCallback(recorder))
     outs = []
     t0, cpu0 = time.perf_counter(), time.process_time()
     batches = (

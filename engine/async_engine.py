@@ -28,12 +28,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.engine.errors import ConfigError, EngineDeadError, QueueFullError
 from kvpilot.engine.live_config import LiveConfig, LiveLimits, apply_update
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.request_stream import RequestStream
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.stats import SchedulerStats, StatLoggerBase
+
+if TYPE_CHECKING:
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.scheduler import Scheduler
 
 __all__ = ["AsyncEngine", "PromptInput", "RequestStream"]
 
@@ -53,6 +59,38 @@ class PromptInput:
     arrival_time: float
 
 
+class SteppedEngine(Protocol):
+    """What ``AsyncEngine`` uses of the engine it drives (``LLMEngine`` is one): requests in, a step,
+    aborts, the scheduler's state and its run-time knobs, health. Only the engine thread calls it."""
+
+    args: EngineArgs
+    scheduler: Scheduler
+    stat_loggers: list[StatLoggerBase]
+    num_steps: int
+    num_cpu_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        stream: bool = False,
+        arrival_time: float | None = None,
+    ) -> None: ...
+
+    def abort_request(self, request_ids: str | list[str]) -> int: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> SchedulerStats: ...
+
+    def check_health(self) -> None: ...
+
+
 class AsyncEngine:
     """Runs an ``LLMEngine`` on its own thread and serves it to asyncio code.
 
@@ -64,7 +102,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine,
+        engine: SteppedEngine,
         *,
         max_waiting_requests: int | None = None,
         retry_after_s: int = 1,
@@ -133,11 +171,8 @@ class AsyncEngine:
 
     def _engine_error(self) -> BaseException | None:
         """What makes the engine unusable even while its loop idles (e.g. a dead parallel worker)."""
-        check = getattr(self.engine, "check_health", None)
-        if check is None:
-            return None
         try:
-            check()
+            self.engine.check_health()
         except Exception as exc:
             return exc
         return None
@@ -184,7 +219,7 @@ class AsyncEngine:
             max_num_batched_tokens=engine.max_num_batched_tokens,
             max_model_len=engine.max_model_len,
             enable_chunked_prefill=engine.args.enable_chunked_prefill,
-            num_cpu_blocks=int(getattr(engine, "num_cpu_blocks", 0) or 0),
+            num_cpu_blocks=engine.num_cpu_blocks,
         )
 
     async def reconfigure(self, update: object) -> LiveConfig:
@@ -295,13 +330,9 @@ class AsyncEngine:
         # Gauges must reflect adds and aborts even when no step follows (an idle engine after an abort).
         stats = self.engine.stats()
         for stat_logger in self.engine.stat_loggers:
-            observe = getattr(stat_logger, "observe_scheduler_stats", None)
-            if observe is not None:
-                observe(stats)
+            stat_logger.record(stats, None)
             if num_aborted:
-                observe_aborted = getattr(stat_logger, "observe_aborted", None)
-                if observe_aborted is not None:
-                    observe_aborted(num_aborted)
+                stat_logger.record_aborted(num_aborted)
 
     def _apply_config(self, update: object, fut: concurrent.futures.Future) -> None:
         try:
@@ -312,9 +343,7 @@ class AsyncEngine:
         self.engine.scheduler.reconfigure(new.max_num_seqs, new.max_num_batched_tokens, new.preemption_mode)
         self.max_waiting_requests = new.max_waiting_requests
         for stat_logger in self.engine.stat_loggers:
-            observe = getattr(stat_logger, "observe_live_config", None)
-            if observe is not None:
-                observe(new)
+            stat_logger.record_live_config(new)
         logger.info("run-time settings now %s", new.as_dict())
         fut.set_result(new)
 

@@ -38,7 +38,7 @@ from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import RequestUpdate, SchedulerOutput
-from kvpilot.engine.stats import SchedulerStats, make_iteration_stats
+from kvpilot.engine.stats import SchedulerStats, StatLoggerBase, make_iteration_stats
 from kvpilot.kernels import get_backend
 
 logger = logging.getLogger("kvpilot.engine")
@@ -119,7 +119,7 @@ class LLMEngine(ShutdownOnExit):
         )
         self.num_steps = 0
         # Callables (SchedulerStats, IterationStats) -> None, called after every step.
-        self.stat_loggers: list = []
+        self.stat_loggers: list[StatLoggerBase] = []
         self._log_start(time.monotonic() - t0)
 
     def _log_start(self, load_s: float) -> None:
@@ -299,8 +299,8 @@ class LLMEngine(ShutdownOnExit):
         update_s = max(0.0, time.perf_counter() - executed_at)
         stats = make_iteration_stats(sched_out, runner_out, updates, num_preemptions, schedule_s, update_s)
         sched_stats = self.scheduler.stats()
-        for logger_fn in self.stat_loggers:
-            logger_fn(sched_stats, stats)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(sched_stats, stats)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -1,9 +1,10 @@
 """Export the engine's statistics: Prometheus metrics (vLLM V1 names) and a periodic log line.
 
-Both are stat loggers: callables ``(SchedulerStats, IterationStats) -> None`` that the engine calls
-after every step, on the engine's thread. ``PrometheusStatLogger`` has two more entry points for state
-that changes outside a step (an abort that leaves the engine idle, a request that never reached the
-engine's finish path): ``observe_scheduler_stats`` and ``observe_aborted``.
+Both are stat loggers (``stats.StatLoggerBase``): the engine calls their ``record`` after every step,
+on the engine's thread, and between steps when adds or aborts changed the scheduler's state (an abort
+that leaves the engine idle). ``PrometheusStatLogger`` also counts aborts from outside the engine
+(``record_aborted``: a request that never reached the engine's finish path) and shows run-time
+settings changes (``record_live_config``).
 
 Semantics (per sequence, as vLLM V1 counts ``n > 1`` children):
 
@@ -23,7 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpilot.engine import metrics_names as names
-from kvpilot.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from kvpilot.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLoggerBase
 
 GiB = 1 << 30
 
@@ -65,7 +66,7 @@ def _label(value: Any) -> str:
     return str(value)
 
 
-class PrometheusStatLogger:
+class PrometheusStatLogger(StatLoggerBase):
     """Prometheus metrics of one engine, in a registry of its own (``self.registry``).
 
     ``cache_config`` and ``model_config`` become the labels of the two info metrics (keys as in
@@ -211,10 +212,7 @@ class PrometheusStatLogger:
         """Build the exporter for an ``LLMEngine`` (reads its KV plan, arguments and model shape)."""
         args = engine.args
         plan = engine.kv_plan
-        num_cpu_blocks = getattr(engine, "num_cpu_blocks", None)
-        if num_cpu_blocks is None:
-            is_swap = args.preemption_mode == "swap"
-            num_cpu_blocks = int(args.swap_space * GiB) // plan.bytes_per_block if is_swap else 0
+        num_cpu_blocks = engine.num_cpu_blocks
         cfg = engine.model_config
         dtype = str(engine.dtype).removeprefix("torch.")
         kv_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
@@ -252,7 +250,7 @@ class PrometheusStatLogger:
             registry=registry,
         )
 
-    def observe_live_config(self, live: Any) -> None:
+    def record_live_config(self, live: Any) -> None:
         """The run-time settings changed (``live_config.LiveConfig``): both info metrics show the new
         values from this scrape on (one label set each, the old one removed)."""
         self._replace_info(self._config_info, names.CONFIG_LABELS, self._live_config, live.as_dict())
@@ -270,9 +268,11 @@ class PrometheusStatLogger:
         old.update(new)
 
     # ------------------------------------------------------------------ entry points
-    def __call__(self, sched: SchedulerStats, it: IterationStats) -> None:
-        """Record one engine step."""
-        self.observe_scheduler_stats(sched)
+    def record(self, sched: SchedulerStats, it: IterationStats | None) -> None:
+        """Record one engine step, or (``it`` None) the scheduler's state between steps."""
+        self._record_scheduler_stats(sched)
+        if it is None:
+            return
         if it.num_prompt_tokens:
             self.prompt_tokens.inc(it.num_prompt_tokens)
         if it.num_generation_tokens:
@@ -285,8 +285,8 @@ class PrometheusStatLogger:
         for fin in it.finished:
             self._observe_finished(fin)
 
-    def observe_scheduler_stats(self, sched: SchedulerStats) -> None:
-        """Refresh the gauges and scheduler-cumulative counters (also called between steps)."""
+    def _record_scheduler_stats(self, sched: SchedulerStats) -> None:
+        """Refresh the gauges and scheduler-cumulative counters."""
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)
         self.swapped.set(sched.num_swapped)
@@ -303,7 +303,7 @@ class PrometheusStatLogger:
             self.prefix_hits, self._seen_prefix_hits, sched.prefix_cache_hits
         )
 
-    def observe_aborted(self, num_seqs: int) -> None:
+    def record_aborted(self, num_seqs: int) -> None:
         """Count ``num_seqs`` sequences aborted from outside the engine (client gone)."""
         if num_seqs > 0:
             self.success["abort"].inc(num_seqs)
@@ -334,7 +334,7 @@ class PrometheusStatLogger:
             self.decode_time.observe(max(0.0, fin.finished_time - fin.first_token_time))
 
 
-class LoggingStatLogger:
+class LoggingStatLogger(StatLoggerBase):
     """Logs throughput and cache state every ``interval_s`` seconds while the engine is busy, e.g.
     ``prompt 412.0 tok/s, generation 96.3 tok/s, running 12, waiting 0, KV cache 41.2%, ...``."""
 
@@ -346,7 +346,9 @@ class LoggingStatLogger:
         self._generation = 0
         self._preemptions_at_last = 0
 
-    def __call__(self, sched: SchedulerStats, it: IterationStats) -> None:
+    def record(self, sched: SchedulerStats, it: IterationStats | None) -> None:
+        if it is None:
+            return
         self._prompt += it.num_prefill_tokens
         self._generation += it.num_generation_tokens
         now = time.monotonic()

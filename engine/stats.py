@@ -1,13 +1,15 @@
 """What the engine hands to its stat loggers after every step (metrics exporters, benchmarks), torch-free:
 the scheduler's snapshot (``SchedulerStats``) and what the step did (``IterationStats``, built by
-``make_iteration_stats``)."""
+``make_iteration_stats``), through the one interface every logger implements (``StatLoggerBase``)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvpilot.engine.live_config import LiveConfig
     from kvpilot.engine.outputs import ModelRunnerOutput
     from kvpilot.engine.scheduler_output import RequestUpdate, SchedulerOutput
 
@@ -122,3 +124,35 @@ def make_iteration_stats(
                 )
             )
     return stats
+
+
+class StatLoggerBase(ABC):
+    """A stat logger of the engine (``LLMEngine.stat_loggers``): the Prometheus exporter, the periodic
+    log line, a benchmark's probe.
+
+    ``record`` is called after every step with what it did, and between steps (``iteration_stats``
+    None) when adds or aborts changed the scheduler's state. ``record_aborted`` counts sequences aborted
+    from outside the engine (a client gone) and ``record_live_config`` sees the run-time settings
+    change; both do nothing unless a logger reports them.
+    """
+
+    @abstractmethod
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats | None) -> None: ...
+
+    def record_aborted(self, num_seqs: int) -> None:  # noqa: B027  (optional hook)
+        pass
+
+    def record_live_config(self, live: LiveConfig) -> None:  # noqa: B027  (optional hook)
+        pass
+
+
+class StepCallback(StatLoggerBase):
+    """A stat logger from a function called with ``(scheduler_stats, iteration_stats)`` after every
+    step (a benchmark's or a test's probe); the between-step refreshes are not passed on."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats | None) -> None:
+        if iteration_stats is not None:
+            self.fn(scheduler_stats, iteration_stats)

@@ -91,7 +91,7 @@ def serve(
         return 1
     if applied is not None:
         logger.info("run-time settings from %s", args.live_config_file, extra={"fields": applied})
-    metrics.observe_live_config(state.engine.live_config())  # the admission bound is the server's
+    metrics.record_live_config(state.engine.live_config())  # the admission bound is the server's
     cfg = engine.model_config
     logger.info(
         "engine ready",

@@ -12,6 +12,7 @@ import transformers
 from kvpilot.engine import LLM, BeamSearchParams, SamplingParams
 from kvpilot.engine.beam_search import BeamSearchGroup, BeamSearchState, Finish, Fork, Resume
 from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.stats import StepCallback
 
 
 def _hf_beams(hf, prompt, width, max_tokens, length_penalty, eos):
@@ -80,7 +81,9 @@ def test_beams_share_blocks_and_survive_a_tiny_pool(tiny_llama, hf_llama):
     roomy = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256, enable_prefix_caching=False)
     bm = roomy.llm_engine.block_manager
     peak = []
-    roomy.llm_engine.stat_loggers.append(lambda s, it: peak.append(bm.num_blocks - bm.num_free_blocks))
+    roomy.llm_engine.stat_loggers.append(
+        StepCallback(lambda s, it: peak.append(bm.num_blocks - bm.num_free_blocks))
+    )
     out = roomy.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(4, 10, ignore_eos=True))[0]
     assert [s.tokens[30:] for s in out.sequences] == expected
     # 4 beams of up to 40 tokens would need 4 x 5 blocks unshared; the 3 full prompt blocks are shared.

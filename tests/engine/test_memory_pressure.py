@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.stats import StatLoggerBase
 
 
 def _workload(vocab: int, n: int = 24, seed: int = 0) -> list[list[int]]:
@@ -14,16 +15,17 @@ def _workload(vocab: int, n: int = 24, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(4, 40))] for _ in range(n)]
 
 
-class _Recorder:
+class _Recorder(StatLoggerBase):
     """Stat logger keeping the per-step statistics."""
 
     def __init__(self) -> None:
         self.sched = []
         self.iters = []
 
-    def __call__(self, sched, it) -> None:
-        self.sched.append(sched)
-        self.iters.append(it)
+    def record(self, sched, it) -> None:
+        if it is not None:
+            self.sched.append(sched)
+            self.iters.append(it)
 
 
 def _run(llm: LLM, prompts, params) -> tuple[list[list[int]], _Recorder]:

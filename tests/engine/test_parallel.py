@@ -35,6 +35,7 @@ from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.llama import HeldByOtherStage
 from kvpilot.engine.parallel import WorkerDiedError, validate_parallel_sizes
 from kvpilot.engine.parallel.worker import encode
+from kvpilot.engine.stats import StepCallback
 
 from ..conftest import build_checkpoint
 from .hf_reference import HFGreedy
@@ -128,7 +129,7 @@ def _check_same_as_reference(llm: LLM, reference, mode: str, num_requests: int) 
     prompts, params, expected, expected_logprobs = (x[:num_requests] for x in reference[:4])
     engine = llm.llm_engine
     swapped = []
-    engine.stat_loggers.append(lambda sched, it: swapped.append(sched.num_swapped))
+    engine.stat_loggers.append(StepCallback(lambda sched, it: swapped.append(sched.num_swapped)))
     tokens, logprobs = _generate(llm, prompts, params)
     assert tokens == expected
     _assert_logprobs_close(logprobs, expected_logprobs)
@@ -323,7 +324,7 @@ def test_worker_killed_mid_generation_fails_fast(tiny_llama):
             if killed.is_set():
                 steps_after_kill.append(1)
 
-        llm.llm_engine.stat_loggers.append(step_done)
+        llm.llm_engine.stat_loggers.append(StepCallback(step_done))
 
         def kill():
             running.wait(60)

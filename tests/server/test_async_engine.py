@@ -19,6 +19,7 @@ from kvpilot.engine.metrics import PrometheusStatLogger
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.app import build_app
 from kvpilot.engine.server.serving import ServerState
+from kvpilot.engine.stats import StepCallback
 
 NUM_BLOCKS = 64
 
@@ -43,7 +44,7 @@ def test_abort_frees_blocks_at_once(engine):
     prompt = engine.tokenizer.encode("def handler(event, context):")
 
     sampled: list[int] = []
-    engine.stat_loggers.append(lambda _sched, it: sampled.append(it.num_generation_tokens))
+    engine.stat_loggers.append(StepCallback(lambda _sched, it: sampled.append(it.num_generation_tokens)))
 
     async def main():
         ae = AsyncEngine(engine)

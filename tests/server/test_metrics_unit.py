@@ -134,11 +134,11 @@ def test_exporter_counts_steps_exactly():
         finished_time=12.0,
         num_preemptions=1,
     )
-    logger(
+    logger.record(
         sched(num_preemptions_total=2, prefix_cache_queries=40, prefix_cache_hits=16),
         step(time_to_first_tokens=[0.2], inter_token_latencies=[0.05, 0.07]),
     )
-    logger(
+    logger.record(
         sched(
             num_running=0,
             num_waiting=0,
@@ -170,17 +170,15 @@ def test_exporter_counts_steps_exactly():
 
 def test_exporter_gauges_aborts_and_monotonic_counters():
     logger = make_logger()
-    logger.observe_scheduler_stats(
-        sched(kv_cache_usage=0.5, prefix_cache_queries=30, num_preemptions_total=4)
-    )
+    logger.record(sched(kv_cache_usage=0.5, prefix_cache_queries=30, num_preemptions_total=4), None)
     assert value(logger, names.KV_CACHE_USAGE_PERC) == 0.5
     assert value(logger, names.GPU_CACHE_USAGE_PERC) == 0.5  # the deprecated alias follows
     # A transient dip in the scheduler's total (an undone admission) must not be counted twice.
-    logger.observe_scheduler_stats(sched(prefix_cache_queries=20, num_preemptions_total=4))
-    logger.observe_scheduler_stats(sched(prefix_cache_queries=35, num_preemptions_total=5))
+    logger.record(sched(prefix_cache_queries=20, num_preemptions_total=4), None)
+    logger.record(sched(prefix_cache_queries=35, num_preemptions_total=5), None)
     assert value(logger, names.PREFIX_CACHE_QUERIES_TOTAL) == 35
     assert value(logger, names.NUM_PREEMPTIONS_TOTAL) == 5
-    logger.observe_aborted(2)
+    logger.record_aborted(2)
     assert value(logger, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 2
 
 
@@ -208,7 +206,7 @@ def test_info_metrics_carry_the_configuration():
 
 def test_registries_are_per_engine():
     first, second = make_logger(), make_logger()  # would raise "Duplicated timeseries" on a shared registry
-    first.observe_aborted(1)
+    first.record_aborted(1)
     assert value(second, names.REQUEST_SUCCESS_TOTAL, finished_reason="abort") == 0
 
 
