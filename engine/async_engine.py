@@ -230,6 +230,13 @@ class AsyncEngine:
         self._submit(("config", update, fut))
         return await asyncio.wrap_future(fut)
 
+    def reconfigure_before_start(self, update: object) -> LiveConfig:
+        """``reconfigure`` from the calling thread, before ``start()`` (the settings a pod starts with);
+        raises ``ConfigError`` for an invalid update, ``RuntimeError`` once the loop runs."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop has started: use reconfigure()")
+        return self._reconfigure(update)
+
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed before the next
         step. Call from the event loop."""
@@ -336,16 +343,23 @@ class AsyncEngine:
 
     def _apply_config(self, update: object, fut: concurrent.futures.Future) -> None:
         try:
-            new = apply_update(self.live_config(), update, self.live_limits())
+            new = self._reconfigure(update)
         except ConfigError as exc:
             fut.set_exception(exc)
             return
+        fut.set_result(new)
+
+    def _reconfigure(self, update: object) -> LiveConfig:
+        """The one place run-time settings change: validated whole against the start-up limits
+        (``ConfigError``, nothing changed), then applied to the scheduler and the admission bound, and
+        shown to the stat loggers. On the engine thread, or before it starts."""
+        new = apply_update(self.live_config(), update, self.live_limits())
         self.engine.scheduler.reconfigure(new.max_num_seqs, new.max_num_batched_tokens, new.preemption_mode)
         self.max_waiting_requests = new.max_waiting_requests
         for stat_logger in self.engine.stat_loggers:
             stat_logger.record_live_config(new)
         logger.info("run-time settings now %s", new.as_dict())
-        fut.set_result(new)
+        return new
 
     def _apply_add(self, inputs: list[PromptInput], stream: bool, fut: concurrent.futures.Future) -> None:
         engine = self.engine

@@ -19,7 +19,6 @@ from kvpilot import __version__
 from kvpilot.engine.async_engine import AsyncEngine
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.errors import ConfigError
-from kvpilot.engine.live_config import apply_update
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.metrics import LoggingStatLogger, PrometheusStatLogger
 from kvpilot.engine.server.app import build_app
@@ -162,10 +161,7 @@ def apply_live_config_file(engine: AsyncEngine, path: str | None) -> dict[str, A
     update = read_live_config_file(path)
     if update is None:
         return None
-    new = apply_update(engine.live_config(), update, engine.live_limits())
-    engine.engine.scheduler.reconfigure(new.max_num_seqs, new.max_num_batched_tokens, new.preemption_mode)
-    engine.max_waiting_requests = new.max_waiting_requests
-    return new.as_dict()
+    return engine.reconfigure_before_start(update).as_dict()
 
 
 def generation_defaults(model_dir: str) -> dict[str, Any]:
