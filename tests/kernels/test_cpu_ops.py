@@ -251,7 +251,8 @@ def test_a_failed_openmp_build_falls_back_once(fresh_loader, monkeypatch, caplog
     calls = []
     sentinel = object()
 
-    def fake_build(name, directory, openmp):
+    def fake_build(name, directory, openmp, target=None):
+        assert target is None  # the default build, for this CPU
         calls.append(openmp)
         if openmp:
             raise RuntimeError("cannot find -lgomp")
@@ -274,7 +275,8 @@ def test_without_any_build_the_torch_path_is_used_and_retried_later(fresh_loader
     tries the plain build again (a compiler may have been installed), not the remembered OpenMP one."""
     calls = []
 
-    def failing_build(name, directory, openmp):
+    def failing_build(name, directory, openmp, target=None):
+        assert target is None  # the default build, for this CPU
         calls.append(openmp)
         raise RuntimeError("g++: not found")
 
