@@ -5,18 +5,26 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-isa test-under-load lint venv clean
+.PHONY: test test-isa test-under-load lint venv lock clean
 
 venv: $(STAMP)
 
-# torch is pinned on the test path: the CPU build of this version is what the test machines carry,
-# and an unpinned requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Every package on the test path is pinned by mk/constraints.txt (torch among them: its wheel from the
+# registry is a multi-GB CUDA build, which runs on the CPU). torch goes first, alone, so that the
+# download is visible as such.
+CONSTRAINTS := mk/constraints.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[engine,operator,test,demo]'
+	@echo "installing torch $$(grep '^torch==' $(CONSTRAINTS) | cut -d= -f3) (a multi-GB download on a fresh machine)"
+	$(PIP) install -q -c $(CONSTRAINTS) torch
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[engine,operator,test,demo]'
 	touch $(STAMP)
+
+# Pin the venv's current set (after `make test` passed on it).
+lock: $(STAMP)
+	{ sed -n '/^#/p' $(CONSTRAINTS); $(PIP) freeze --exclude-editable; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 # KVPILOT_REQUIRE_TOOLS=1: tests that need helm/kubectl/hadolint/promtool or vLLM fail (instead of
 # skipping) when absent. vLLM runs from its own virtual environment (mk/vllm.mk).

@@ -189,7 +189,7 @@ def decode_batch(
 ):
     """K/V caches holding ``num_seqs`` sequences of ``seq_len`` tokens in shuffled blocks, and the
     metadata of one decode step over them."""
-    from kvpilot.kernels import AttentionMetadata
+    from kvpilot.kernels.metadata import AttentionMetadata
 
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = -(-seq_len // block_size)
@@ -249,7 +249,7 @@ def _time_point(
 def decode_bandwidth(torch, device: str, points, peak_gbps: float | None, copy_gbps: float) -> list[dict]:
     """Per (sequences, length) point: each backend's time, K/V bytes per second, share of the peaks.
     ``triton`` uses the split heuristic, ``triton_nosplit`` one segment; ``torch`` is the gather+SDPA path."""
-    from kvpilot.kernels import get_backend
+    from kvpilot.kernels.backend import get_backend
 
     backends = {}
     if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # the latter: --cpu-smoke only

@@ -39,7 +39,7 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import RequestUpdate, SchedulerOutput
 from kvpilot.engine.stats import SchedulerStats, StatLoggerBase, make_iteration_stats
-from kvpilot.kernels import get_backend
+from kvpilot.kernels.backend import get_backend
 
 logger = logging.getLogger("kvpilot.engine")
 

@@ -33,7 +33,8 @@ from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.sampler import Sampler, SamplingRow
 from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from kvpilot.kernels import AttentionBackend, AttentionMetadata
+from kvpilot.kernels.backend import AttentionBackend
+from kvpilot.kernels.metadata import AttentionMetadata
 
 
 @dataclass

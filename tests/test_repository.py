@@ -1,12 +1,14 @@
 """The repository root is safe to work in, and the package installs from a wheel as it runs from source.
 
-Nothing in the root may shadow a standard-library module whatever the current directory: ``operator/``
-is a namespace portion (no ``__init__.py``), which loses to the standard library's own ``operator``
-module on import, while ``kvpilot.operator`` still maps to it.
+Nothing in the root may shadow a standard-library module or an installed distribution whatever the
+current directory: ``operator/`` and ``kernels/`` are namespace portions (no ``__init__.py``), which lose
+to the standard library's own ``operator`` module and to the ``kernels`` distribution (which
+transformers imports) on import, while ``kvpilot.operator`` and ``kvpilot.kernels`` still map to them.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -40,6 +42,37 @@ def test_nothing_in_the_root_shadows_a_standard_library_module():
     # The one room whose name is a standard-library module stays a namespace portion.
     assert "operator" in sys.stdlib_module_names
     assert (REPO / "operator").is_dir() and not (REPO / "operator" / "__init__.py").exists()
+
+
+def test_nothing_in_the_root_shadows_an_installed_distribution():
+    # pytest puts the root on sys.path (tests/ is a package), and so does `python -m` started there: a
+    # regular package of the root would be imported in place of any installed package of its name.
+    installed = importlib.metadata.packages_distributions()
+    shadowing = {
+        name: installed[name] for name in _importable_names(REPO) if name in installed and name != "kvpilot"
+    }
+    assert shadowing == {}
+    # transformers imports the `kernels` distribution (a dependency from 5.25 on) when it loads a model
+    # class; the kernels room stays a namespace portion whether that distribution is installed or not.
+    assert (REPO / "kernels").is_dir() and not (REPO / "kernels" / "__init__.py").exists()
+
+
+def test_transformers_loads_a_model_class_with_the_root_first_on_sys_path():
+    code = (
+        "import sys, importlib.util\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "import transformers\n"
+        "transformers.LlamaConfig\n"
+        "print(spec.origin if spec else None)"
+    )
+    probe = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    # None: no `kernels` distribution and the room's namespace portion; else the distribution's own.
+    origin = probe.stdout.split()[-1]
+    assert origin == "None" or Path(origin).parent != REPO / "kernels", origin
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +113,8 @@ def test_a_bare_venv_works_in_the_repository_root(bare_venv):
 
 def test_the_project_venv_imports_every_room_from_the_root():
     code = (
-        "import operator, kvpilot.operator.api.names as n, kvpilot.engine.config as c, kvpilot.kernels as k\n"
+        "import operator, kvpilot.operator.api.names as n, kvpilot.engine.config as c\n"
+        "import kvpilot.kernels.backend as k\n"
         "print(operator.eq(2, 2), n.__file__, c.__file__, k.__file__)"
     )
     probe = subprocess.run(
@@ -120,7 +154,7 @@ def test_the_wheel_holds_every_room_and_imports_without_the_checkout(tmp_path):
     }
     in_wheel = {n.removeprefix("kvpilot/") for n in names if n.startswith("kvpilot/") and n.endswith(".py")}
     assert expected <= in_wheel, sorted(expected - in_wheel)[:10]
-    assert "kvpilot/operator/__init__.py" not in names
+    assert "kvpilot/operator/__init__.py" not in names and "kvpilot/kernels/__init__.py" not in names
     # The CPU attention kernel builds from its sources on first use: they ship in the wheel.
     sources = {
         f"kvpilot/kernels/{p.relative_to(REPO / 'kernels')}" for p in (REPO / "kernels" / "csrc").iterdir()
@@ -132,7 +166,8 @@ def test_the_wheel_holds_every_room_and_imports_without_the_checkout(tmp_path):
         archive.extractall(target)
     code = (
         "import kvpilot, kvpilot.operator.api.names as n, kvpilot.operator.remediation.policy as p\n"
-        "print(kvpilot.__path__[0], n.__file__, p.__file__)"
+        "import kvpilot.kernels.backend as k\n"
+        "print(kvpilot.__path__[0], n.__file__, p.__file__, k.__file__)"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
     probe = subprocess.run(

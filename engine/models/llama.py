@@ -36,7 +36,8 @@ from kvpilot.engine.models.layers import (
     VocabParallelEmbedding,
 )
 from kvpilot.engine.parallel.layout import ParallelLayout, RankShard
-from kvpilot.kernels import AttentionBackend, AttentionMetadata
+from kvpilot.kernels.backend import AttentionBackend
+from kvpilot.kernels.metadata import AttentionMetadata
 
 
 def fused_for(backend: AttentionBackend, dtype: torch.dtype):

@@ -20,7 +20,7 @@ from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import Comm, ShardId, default_weight_loader
 from kvpilot.engine.models.llama import HeldByOtherStage, LlamaForCausalLM, RotaryEmbedding
 from kvpilot.engine.parallel.layout import RankShard
-from kvpilot.kernels import AttentionBackend
+from kvpilot.kernels.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
 

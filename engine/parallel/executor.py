@@ -22,7 +22,7 @@ from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.parallel.layout import ParallelLayout
 from kvpilot.engine.parallel.rank import Rank, RankSpec
 from kvpilot.engine.scheduler_output import SchedulerOutput
-from kvpilot.kernels import AttentionBackend
+from kvpilot.kernels.backend import AttentionBackend
 
 if TYPE_CHECKING:
     from kvpilot.engine.parallel.comm import CommSpec

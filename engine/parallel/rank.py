@@ -23,7 +23,7 @@ from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.parallel.layout import ParallelLayout
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
-from kvpilot.kernels import get_backend
+from kvpilot.kernels.backend import get_backend
 
 if TYPE_CHECKING:
     from kvpilot.engine.parallel.comm import CommSpec

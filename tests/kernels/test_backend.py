@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from kvpilot.kernels import get_backend, resolve_backend_name, torch_ops
+from kvpilot.kernels import torch_ops
+from kvpilot.kernels.backend import get_backend, resolve_backend_name
 
 # ``auto`` on CPU: the C++ kernel wherever a C++ compiler is there to build it (torch's cpp_extension
 # uses $CXX, else c++), else the torch path. Decided from the machine, not from the code under test:
@@ -49,7 +50,8 @@ def test_failed_build_falls_back_to_torch(tmp_path):
         """
         import logging, os
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-        from kvpilot.kernels import get_backend, resolve_backend_name, torch_ops
+        from kvpilot.kernels import torch_ops
+        from kvpilot.kernels.backend import get_backend, resolve_backend_name
 
         assert resolve_backend_name("auto", "cpu") == "torch"
         backend = get_backend("cpu", "cpu")
@@ -80,7 +82,8 @@ def test_torch_path_works_without_triton(tmp_path):
         import sys
         sys.modules["triton"] = None  # any `import triton` now raises ImportError
         import torch
-        from kvpilot.kernels import AttentionMetadata, get_backend, resolve_backend_name
+        from kvpilot.kernels.backend import get_backend, resolve_backend_name
+        from kvpilot.kernels.metadata import AttentionMetadata
 
         assert resolve_backend_name("auto", "cuda") == "torch"
         backend = get_backend("auto", "cpu")

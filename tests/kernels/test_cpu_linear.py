@@ -116,7 +116,7 @@ def test_long_prefill_mlp_in_passes_matches_one_pass():
     from types import SimpleNamespace
 
     from kvpilot.engine.models.llama import MLP
-    from kvpilot.kernels import get_backend
+    from kvpilot.kernels.backend import get_backend
 
     cfg = SimpleNamespace(hidden_size=64, mlp_bias=False)
     shard = SimpleNamespace(intermediate_size=96, intermediate_start=0)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.kernels import cpu_build, cpu_ops, get_backend, torch_ops
+from kvpilot.kernels import cpu_build, cpu_ops, torch_ops
+from kvpilot.kernels.backend import get_backend
 
 from .conftest import (
     DTYPES,

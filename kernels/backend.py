@@ -4,13 +4,18 @@
 ``kvpilot.kernels.torch_ops``. The backend is chosen once, at engine start-up, from the
 ``attention_backend`` engine argument.
 
-Modules:
+``kvpilot.kernels`` is a namespace package (no ``__init__.py``), like ``kvpilot.operator``: the
+repository's ``kernels/`` folder must not be a regular package named ``kernels``, which would shadow
+the installed distribution of that name (a dependency of transformers) in any process started from
+the repository root. Its modules:
 
+* ``backend`` (this one): ``AttentionBackend``, ``get_backend``, ``resolve_backend_name``.
 * ``metadata``: ``AttentionMetadata``, the per-step tensors every backend reads.
 * ``torch_ops``: the pure-torch ops, the reference for the Triton kernels and the CPU path.
 * ``triton_ops``: the Triton kernels with the same signatures (compiled on CUDA, interpreted on CPU).
 * ``cpu_ops``: the ``cpu`` backend, a C++ kernel that reads K/V in place (``csrc/``), built and cached
   by ``cpu_build``; the torch cache ops.
+* ``isa``: what this CPU can run.
 """
 
 from __future__ import annotations
@@ -19,9 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvpilot.kernels.metadata import AttentionMetadata
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "FusedDecoderOps", "get_backend", "resolve_backend_name"]
+__all__ = ["AttentionBackend", "FusedDecoderOps", "get_backend", "resolve_backend_name"]
 
 BACKENDS = ("torch", "triton", "cpu")
 
