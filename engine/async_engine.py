@@ -6,7 +6,7 @@ loop talks to it through a command queue (add, abort, config) and gets outputs b
 
     event loop (HTTP handlers)                     engine thread
     ─────────────────────────                      ─────────────
-    add([...]) ──► commands ──────────────────────► apply commands (add_request / abort_request)
+    add([...]) ──► commands ──────────────────────► apply commands (check + queue all / abort)
       awaits the add's Future ◄─── result/error ──┘   while there is work: step()
     RequestStream.get() ◄── _deliver(outputs) ◄────── publish this step's outputs (one callback)
     abort(ids) ──► commands ──────────────────────► abort_request: KV blocks freed before the next step
@@ -30,7 +30,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from kvpilot.engine.errors import ConfigError, EngineDeadError, QueueFullError
+from kvpilot.engine.errors import ConfigError, EngineDeadError, InvalidRequestError, QueueFullError
+from kvpilot.engine.input_processor import CLIP_TO_CONTEXT, ContextRule, NewRequest
 from kvpilot.engine.live_config import LiveConfig, LiveLimits, apply_update
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.request_stream import RequestStream
@@ -57,6 +58,8 @@ class PromptInput:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    # Clip max_tokens to the context, or refuse it naming these fields (the OpenAI server's rule).
+    context: ContextRule = CLIP_TO_CONTEXT
 
 
 class SteppedEngine(Protocol):
@@ -71,14 +74,16 @@ class SteppedEngine(Protocol):
     max_model_len: int
     max_num_batched_tokens: int
 
-    def add_request(
+    def check_request(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        stream: bool = False,
         arrival_time: float | None = None,
-    ) -> None: ...
+        context: ContextRule = CLIP_TO_CONTEXT,
+    ) -> NewRequest: ...
+
+    def queue_request(self, new: NewRequest, stream: bool = False) -> None: ...
 
     def abort_request(self, request_ids: str | list[str]) -> int: ...
 
@@ -362,26 +367,33 @@ class AsyncEngine:
         return new
 
     def _apply_add(self, inputs: list[PromptInput], stream: bool, fut: concurrent.futures.Future) -> None:
+        """All or none: every input is checked before admission (a request that can never run is
+        refused as such, whatever the queue), and none is queued unless all are admitted."""
         engine = self.engine
         added: list[str] = []
         try:
+            checked: list[NewRequest] = []
+            ids: set[str] = set()
+            for inp in inputs:
+                if inp.request_id in ids:
+                    raise InvalidRequestError(f"duplicate request id {inp.request_id!r}", param=None)
+                ids.add(inp.request_id)
+                checked.append(
+                    engine.check_request(
+                        inp.request_id, inp.prompt_token_ids, inp.params, inp.arrival_time, inp.context
+                    )
+                )
             if self.max_waiting_requests is not None:
                 # Admission counts sequences: one call of P prompts x n queues P * n of them.
                 num_waiting = engine.stats().num_waiting
-                num_new = sum(inp.params.n for inp in inputs)
+                num_new = sum(len(new.seqs) for new in checked)
                 if num_waiting + num_new > self.max_waiting_requests:
                     raise QueueFullError(
                         num_waiting, self.max_waiting_requests, self.retry_after_s, num_new=num_new
                     )
-            for inp in inputs:
-                engine.add_request(
-                    inp.request_id,
-                    inp.prompt_token_ids,
-                    inp.params,
-                    stream=stream,
-                    arrival_time=inp.arrival_time,
-                )
-                added.append(inp.request_id)
+            for new in checked:
+                engine.queue_request(new, stream)
+                added.append(new.request_id)
         except Exception as exc:
             if added:
                 engine.abort_request(added)

@@ -27,7 +27,15 @@ class KVCacheSizeError(ConfigError):
 
 class InvalidRequestError(EngineError, ValueError):
     """A request the engine cannot take (too long a prompt, ids outside the vocabulary, a duplicate id,
-    a bound exceeded); the message names the field and the limit. Nothing of it was queued."""
+    a bound exceeded); the message names the field and the limit. Nothing of it was queued.
+
+    ``param`` is the request field at fault and ``code`` an OpenAI error code where one applies
+    (``context_length_exceeded``); the server answers with both."""
+
+    def __init__(self, message: str, *, param: str | None = "prompt", code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class SamplingParamsError(InvalidRequestError):

@@ -27,7 +27,7 @@ from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.cpu_threads import apply_num_threads
 from kvpilot.engine.engine_config import EngineConfig, resolve
-from kvpilot.engine.input_processor import InputProcessor
+from kvpilot.engine.input_processor import CLIP_TO_CONTEXT, ContextRule, InputProcessor, NewRequest
 from kvpilot.engine.memory import format_bytes
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import resolve_model_dir
@@ -113,8 +113,7 @@ class LLMEngine(ShutdownOnExit):
             self.tokenizer,
             cfg.vocab_size,
             config.eos_token_id,
-            config.max_model_len,
-            args.max_num_seqs,
+            self.scheduler,
             active_request_ids=self.output_processor,
         )
         self.num_steps = 0
@@ -202,18 +201,34 @@ class LLMEngine(ShutdownOnExit):
         params: SamplingParams | None = None,
         stream: bool = False,
         arrival_time: float | None = None,
+        context: ContextRule = CLIP_TO_CONTEXT,
     ) -> None:
         """Queue a request (a text prompt, or token ids). ``n > 1`` runs ``n`` sequences.
 
         Raises ``InvalidRequestError`` for an empty or too-long prompt, out-of-vocabulary ids, a
         duplicate id or more sequences than fit; nothing is queued then.
         """
-        params = params or SamplingParams()
-        token_ids, seqs = self.input_processor.process(request_id, prompt, params, arrival_time)
-        # All or nothing: the scheduler validates every sequence before queueing any.
-        self.scheduler.add_request(seqs[0], siblings=seqs[1:])
-        text = prompt if isinstance(prompt, str) else None
-        self.output_processor.add_request(request_id, text, token_ids, params, seqs, stream)
+        self.queue_request(self.check_request(request_id, prompt, params, arrival_time, context), stream)
+
+    def check_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        context: ContextRule = CLIP_TO_CONTEXT,
+    ) -> NewRequest:
+        """The request checked (``InputProcessor``: raises ``InvalidRequestError``), nothing queued."""
+        return self.input_processor.process(
+            request_id, prompt, params or SamplingParams(), arrival_time, context
+        )
+
+    def queue_request(self, new: NewRequest, stream: bool = False) -> None:
+        """Queue a request ``check_request`` returned (before any other request is added)."""
+        self.scheduler.add_request(new.seqs[0], siblings=new.seqs[1:])
+        self.output_processor.add_request(
+            new.request_id, new.prompt_text, new.prompt_token_ids, new.params, new.seqs, stream
+        )
 
     def add_beam_search_request(
         self, request_id: str, prompt: str | list[int], params: BeamSearchParams

@@ -38,6 +38,13 @@ class RequestStatus(enum.Enum):
 _arrival_counter = itertools.count()
 
 
+def output_cap(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The most tokens a request may generate: ``max_tokens`` (all the room when None) clipped so that
+    prompt + output <= ``max_model_len``."""
+    room = max_model_len - num_prompt_tokens
+    return room if max_tokens is None else min(max_tokens, room)
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated. Only the scheduler writes its state; everyone else reads it."""

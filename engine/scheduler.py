@@ -31,9 +31,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvpilot.engine.block_manager import BlockManager
-from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.outputs import ModelRunnerOutput
-from kvpilot.engine.request import Request, RequestStatus, check_stop
+from kvpilot.engine.request import Request, RequestStatus, check_stop, output_cap
 from kvpilot.engine.request_queue import RequestQueue
 from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.stats import SchedulerStats
@@ -60,16 +59,17 @@ class Scheduler:
     def add_request(self, req: Request, siblings: list[Request] | None = None) -> None:
         """Queue ``req``; ``siblings`` (n > 1) will fork from it and share its prompt blocks.
 
-        Raises ``InvalidRequestError`` if it can never run (a duplicate id, an empty prompt, longer than
-        ``max_model_len``, bigger than the cache, more sequences than ``max_num_seqs``); nothing is queued.
+        The requests come checked (``InputProcessor``: the prompt fits ``max_model_len`` and the whole
+        cache, the group ``max_num_seqs``); here each gets its output cap.
         """
         group = [req, *(siblings or [])]
-        if len(group) > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={len(group)} sequences exceed max_num_seqs ({self.config.max_num_seqs}); lower n"
-            )
         for seq in group:
-            self._validate(seq)
+            # Ids are unique by construction (the input processor refuses a running user id); a clash
+            # here would overwrite a live request and leak its blocks.
+            assert seq.req_id not in self.requests, f"request id {seq.req_id!r} is already queued"
+            seq.max_output_tokens = output_cap(
+                seq.num_prompt_tokens, seq.sampling_params.max_tokens, self.config.max_model_len
+            )
         for seq in group:
             seq.status = RequestStatus.WAITING
             self.requests[seq.req_id] = seq
@@ -83,30 +83,6 @@ class Scheduler:
             self.waiting.append(req)
         else:
             self.waiting.extend(group)
-
-    def _validate(self, req: Request) -> None:
-        if req.req_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {req.req_id!r}")
-        if req.num_prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty: at least one token is required")
-        if req.num_prompt_tokens >= self.config.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {req.num_prompt_tokens} tokens but max_model_len is "
-                f"{self.config.max_model_len}: at most {self.config.max_model_len - 1} prompt tokens "
-                "fit with room for one generated token"
-            )
-        room = self.config.max_model_len - req.num_prompt_tokens
-        max_tokens = req.sampling_params.max_tokens
-        req.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
-        bm = self.block_manager
-        # The last sampled token is never fed back, so a request holds at most prompt + max_output - 1 slots.
-        peak = req.num_prompt_tokens + req.max_output_tokens - 1
-        if bm.num_blocks_needed(peak) > bm.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs up to {peak} tokens of KV cache ({req.num_prompt_tokens} prompt + "
-                f"{req.max_output_tokens} output) but the whole cache holds {bm.num_blocks * bm.block_size} "
-                "tokens; shorten the prompt or lower max_tokens"
-            )
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Stop these requests now and free their blocks. Unknown or finished ids are ignored."""
@@ -330,8 +306,6 @@ class Scheduler:
         """Start ``child`` from the computed state of the unfinished request ``parent_req_id``.
         ``child``'s tokens must extend the parent's first ``num_computed_tokens`` tokens. A running
         parent shares its blocks (copy on write); otherwise the child queues to compute its tokens itself.
-
-        Raises ``InvalidRequestError`` if ``child`` can never run (see ``add_request``).
         """
         self._fork(self.requests[parent_req_id], child)
 
@@ -345,7 +319,8 @@ class Scheduler:
 
     def _fork(self, parent: Request, child: Request) -> None:
         if child.req_id not in self.requests:
-            self._validate(child)
+            # A child carries its parent's prompt and parameters: the same checked bounds.
+            child.max_output_tokens = parent.max_output_tokens
             self.requests[child.req_id] = child
         if parent.status == RequestStatus.RUNNING and self.block_manager.has_block_table(parent.req_id):
             self.block_manager.fork(parent, child)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -136,8 +137,16 @@ def test_the_project_venv_imports_every_room_from_the_root():
 
 
 def test_the_wheel_holds_every_room_and_imports_without_the_checkout(tmp_path):
+    # Built from a copy of what the Dockerfile's wheel stage copies: setuptools builds in the source
+    # tree's build/, which would keep files since removed from the checkout (and leave it behind).
+    source = tmp_path / "src"
+    for name in ("pyproject.toml", "README.md"):
+        source.mkdir(exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    for room in ("kvpilot", "engine", "kernels", "operator"):
+        shutil.copytree(REPO / room, source / room, ignore=shutil.ignore_patterns("__pycache__"))
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(source)],
         capture_output=True,
         text=True,
         cwd=tmp_path,

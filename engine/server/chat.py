@@ -10,13 +10,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvpilot.engine.async_engine import PromptInput, RequestStream
+from kvpilot.engine.input_processor import ContextRule
 from kvpilot.engine.server import protocol
 from kvpilot.engine.server.errors import bad_request, not_supported
 from kvpilot.engine.server.serving import (
     ServerState,
     chat_logprobs,
-    check_context,
-    check_sampling,
     choice,
     collect_final,
     new_id,
@@ -50,14 +49,16 @@ async def create_chat_completion(state: ServerState, body: dict[str, Any], reque
     protocol.check_unsupported(req)
     prompt_ids = await state.encode(render_chat(state, req), add_special_tokens=False)
     max_tokens = protocol.default_max_tokens(req, state.sampling_defaults)
-    check_context(state, len(prompt_ids), max_tokens, "messages", protocol.max_tokens_param(req))
     top_logprobs = protocol.request_logprobs(req)
     params = protocol.to_sampling_params(req, max_tokens, top_logprobs, state.sampling_defaults)
-    check_sampling(state, params)
+    # The engine refuses a max_tokens past the context (OpenAI's answer), naming this endpoint's fields.
+    context = ContextRule(
+        clip_max_tokens=False, prompt_param="messages", max_tokens_param=protocol.max_tokens_param(req)
+    )
 
     request_id = new_id("chatcmpl")
     rs = await submit(
-        state, [PromptInput(request_id, prompt_ids, params, time.monotonic())], stream=req.stream
+        state, [PromptInput(request_id, prompt_ids, params, time.monotonic(), context)], stream=req.stream
     )
     if req.stream:
         return SSEResponse(_stream(state, req, model, request_id, len(prompt_ids), rs))

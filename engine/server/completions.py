@@ -10,12 +10,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvpilot.engine.async_engine import PromptInput, RequestStream
+from kvpilot.engine.input_processor import ContextRule
 from kvpilot.engine.server import protocol
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.serving import (
     ServerState,
-    check_context,
-    check_sampling,
     choice,
     collect_final,
     completion_logprobs,
@@ -27,6 +26,8 @@ from kvpilot.engine.server.streaming import ChoiceDelta, ChunkShape, ChunkStream
 
 MAX_PROMPTS = 2048  # OpenAI's limit on prompts per request
 _CHUNK = ChunkShape(object_type="text_completion", content_key="text")
+# The engine refuses a max_tokens past the context (OpenAI's answer) rather than clip it.
+_CONTEXT = ContextRule(clip_max_tokens=False, prompt_param="prompt", max_tokens_param="max_tokens")
 
 
 async def create_completion(state: ServerState, body: dict[str, Any], request: Request) -> Response:
@@ -35,16 +36,14 @@ async def create_completion(state: ServerState, body: dict[str, Any], request: R
     protocol.check_unsupported(req)
     prompts = await _prompts(state, req.prompt)
     max_tokens = protocol.default_max_tokens(req, state.sampling_defaults)
-    for _, ids in prompts:
-        check_context(state, len(ids), max_tokens, "prompt", "max_tokens")
     params = protocol.to_sampling_params(req, max_tokens, req.logprobs, state.sampling_defaults)
-    check_sampling(state, params)
 
     request_id = new_id("cmpl")
     arrival = time.monotonic()
     request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     inputs = [
-        PromptInput(rid, ids, params, arrival) for rid, (_, ids) in zip(request_ids, prompts, strict=True)
+        PromptInput(rid, ids, params, arrival, _CONTEXT)
+        for rid, (_, ids) in zip(request_ids, prompts, strict=True)
     ]
     rs = await submit(state, inputs, stream=req.stream)
     if req.stream:

@@ -69,14 +69,15 @@ def not_supported(feature: str, param: str) -> APIError:
 def from_exception(exc: BaseException, *, while_running: bool = False) -> APIError:
     """The answer to an exception raised below the HTTP layer.
 
-    ``InvalidRequestError`` (``SamplingParamsError`` included): 400 ``invalid_request_error`` with
-    ``param`` "prompt" and the engine's message. ``QueueFullError``: 503 ``server_overloaded`` with
-    ``Retry-After``. ``EngineDeadError`` (``WorkerDiedError`` included): 503 ``engine_dead``, saying
-    whether the loop was already down when the request came (``while_running`` False) or died while it
-    ran. Anything else: 500 ``internal_error`` naming only the exception's type; the caller logs it.
+    ``InvalidRequestError`` (``SamplingParamsError`` included): 400 ``invalid_request_error`` with the
+    engine's message and the error's ``param`` and ``code``. ``QueueFullError``: 503
+    ``server_overloaded`` with ``Retry-After``. ``EngineDeadError`` (``WorkerDiedError`` included): 503
+    ``engine_dead``, saying whether the loop was already down when the request came (``while_running``
+    False) or died while it ran. Anything else: 500 ``internal_error`` naming only the exception's type;
+    the caller logs it.
     """
     if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc), param="prompt")
+        return bad_request(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return APIError(
             503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)}

@@ -75,7 +75,6 @@ def serve(
         served_model_names=served,
         model_dir=engine.model_dir,
         max_model_len=engine.max_model_len,
-        vocab_size=engine.model_config.vocab_size,
         api_key=api_key,
         metrics=metrics,
         sampling_defaults=defaults,

@@ -18,9 +18,8 @@ from starlette.responses import JSONResponse
 from kvpilot.engine.async_engine import AsyncEngine, PromptInput, RequestStream
 from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.cli import normalize_api_key
-from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request, from_exception
+from kvpilot.engine.server.errors import APIError, ClientDisconnected, from_exception
 from kvpilot.engine.server.limits import RequestLimits
 
 logger = logging.getLogger("kvpilot.server")
@@ -44,7 +43,6 @@ class ServerState:
     served_model_names: list[str]
     model_dir: str
     max_model_len: int
-    vocab_size: int
     api_key: str | None = None
     metrics: Any = None  # PrometheusStatLogger
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -109,43 +107,6 @@ class ServerState:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-# ---------------------------------------------------------------------------------------------- prompts
-def check_context(
-    state: ServerState, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str, max_param: str
-) -> None:
-    """400 for an empty prompt, or one that with ``max_tokens`` does not fit ``max_model_len``."""
-    limit = state.max_model_len
-    if num_prompt_tokens == 0:
-        raise bad_request(f"the {prompt_param} is empty: at least one token is required", param=prompt_param)
-    if num_prompt_tokens >= limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, your request has "
-            f"{num_prompt_tokens} input tokens, leaving no room for output. Please reduce the length of the "
-            f"{prompt_param}.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, "
-            f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} or "
-            f"{max_param}.",
-            param=max_param,
-            code="context_length_exceeded",
-        )
-
-
-def check_sampling(state: ServerState, params: SamplingParams) -> None:
-    """400 for token ids outside the model's vocabulary (they would index past the logits)."""
-    bad = [t for t in params.stop_token_ids if t >= state.vocab_size]
-    if bad:
-        raise bad_request(
-            f"stop_token_ids must be below the vocabulary size {state.vocab_size}; got {bad[:5]}",
-            param="stop_token_ids",
-        )
 
 
 async def submit(state: ServerState, inputs: list[PromptInput], stream: bool) -> RequestStream:

@@ -68,14 +68,15 @@ def test_siblings_share_one_copy_of_stops_and_prompt():
     sibling = dataclasses.replace(params, n=1, seed=4)
     assert sibling.stop_strings is params.stop_strings and sibling.stop_token_ids is params.stop_token_ids
     assert params.stop_strings == ("a", "bc") and params.stop_token_id_set == {4, 5}
-    proc = InputProcessor(CharTokenizer(), 1000, None, 4096, 64, active_request_ids=set())
+    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096)
+    proc = InputProcessor(CharTokenizer(), 1000, None, sched, active_request_ids=set())
     prompt = list(range(100, 400))
-    token_ids, seqs = proc.process("r", prompt, params)
+    new = proc.process("r", prompt, params)
+    token_ids, seqs = new.prompt_token_ids, new.seqs
     assert [s.sampling_params.seed for s in seqs] == list(range(3, 11))
     assert all(s.prompt_token_ids is token_ids for s in seqs)
     assert all(s.sampling_params.stop_strings is params.stop_strings for s in seqs)
     # Running does not make each sequence copy the prompt either.
-    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096)
     sched.add_request(seqs[0], siblings=seqs[1:])
     model = FakeModel(4)
     for _ in range(3):

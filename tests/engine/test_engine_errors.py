@@ -110,7 +110,7 @@ def test_bad_requests_are_rejected_and_the_rest_of_the_batch_completes(tiny_llam
     engine.add_request("a", good[0], SamplingParams(temperature=0.0, max_tokens=5))
     vocab = engine.model_config.vocab_size
     # Every refusal is an InvalidRequestError (the server's 400), and none leaves a trace.
-    with pytest.raises(InvalidRequestError, match="max_model_len is 120"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 120 tokens"):
         engine.add_request("too-long", list(range(5, 205)), SamplingParams(max_tokens=5))
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("empty", [], SamplingParams())

@@ -9,8 +9,11 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from kvpilot.engine.errors import InvalidRequestError
+from kvpilot.engine.input_processor import InputProcessor
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.request import RequestStatus
+from kvpilot.engine.sampling_params import SamplingParams
 
 from .conftest import (
     EOS,
@@ -56,25 +59,7 @@ def scripted(tokens: dict[str, list[int]]):
     return token_fn
 
 
-# ---------------------------------------------------------------------- admission checks
-def test_add_request_rejects_empty_and_duplicate():
-    sched = make_scheduler()
-    with pytest.raises(ValueError, match="empty"):
-        sched.add_request(make_request([]))
-    sched.add_request(make_request(4, req_id="x"))
-    with pytest.raises(ValueError, match="duplicate request id 'x'"):
-        sched.add_request(make_request(4, req_id="x"))
-    assert list(sched.requests) == ["x"]
-
-
-@pytest.mark.parametrize("prompt_len", [16, 17, 40])
-def test_add_request_rejects_prompts_that_reach_max_model_len(prompt_len):
-    sched = make_scheduler(max_model_len=16)
-    with pytest.raises(ValueError, match=rf"prompt has {prompt_len} tokens but max_model_len is 16"):
-        sched.add_request(make_request(prompt_len))
-    assert not sched.requests and not sched.waiting
-
-
+# ---------------------------------------------------------- admission (the checks: test_input_processor)
 def test_max_tokens_is_clipped_to_max_model_len():
     sched = make_scheduler(max_model_len=16)
     reqs = [make_request(15, max_tokens=8), make_request(10, max_tokens=None), make_request(4, max_tokens=5)]
@@ -86,16 +71,12 @@ def test_max_tokens_is_clipped_to_max_model_len():
     assert all(r.finish_reason == "length" and r.num_tokens <= 16 for r in reqs)
 
 
-def test_add_request_rejects_what_can_never_fit_the_pool():
+def test_a_request_that_needs_the_whole_pool_completes_alone():
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=128)  # 16 slots
-    # 10 prompt + 7 output: the last token is never fed back, so 16 slots suffice.
+    # 10 prompt + 7 output: the last token is never fed back, so 16 slots suffice (the input
+    # processor refuses one more output token).
     fits = make_request(10, req_id="fits", max_tokens=7, ignore_eos=True)
     sched.add_request(fits)
-    too_big = make_request(10, req_id="big", max_tokens=8)
-    with pytest.raises(ValueError, match=r"needs up to 17 tokens .* whole cache holds 16 tokens"):
-        sched.add_request(too_big)
-    assert "big" not in sched.requests and too_big not in sched.waiting
-    # The request at the exact limit really completes, alone in the pool.
     run_to_completion(sched)
     assert fits.num_output_tokens == 7 and fits.finish_reason == "length"
     assert sched.block_manager.num_free_blocks == 4
@@ -563,6 +544,7 @@ def drive(
     bm = sched.block_manager
     bs = bm.block_size
     model = FakeModel(bs, token_fn=_token)
+    checker = InputProcessor(None, VOCAB, EOS, sched, active_request_ids=())
     arrivals: dict[int, list] = {}
     for i, spec in enumerate(requests):
         arrivals.setdefault(spec[0], []).append((i, spec))
@@ -589,16 +571,18 @@ def drive(
                 and -(-peak // bs) <= config["num_blocks"]
                 and n <= config["max_num_seqs"]
             )
+            # The input processor (the one place requests are checked) agrees with this oracle.
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=not eos, n=n)
             if fits:
+                checker.process(f"q{i}", FAMILIES[fam][:plen], params)
                 sched.add_request(group[0], siblings=group[1:])
                 accepted += group
                 siblings.update(r.req_id for r in group[1:])
                 if abort_after is not None:
                     aborts.setdefault(now + abort_after, []).extend(r.req_id for r in group)
             else:
-                with pytest.raises(ValueError):
-                    sched.add_request(group[0], siblings=group[1:])
-                assert all(r.req_id not in sched.requests for r in group)
+                with pytest.raises(InvalidRequestError):
+                    checker.process(f"q{i}", FAMILIES[fam][:plen], params)
         for req in sched.abort_requests(aborts.pop(now, [])):
             finished_at[req.req_id] = now
         if now > last_arrival and not sched.requests:

@@ -93,6 +93,14 @@ def test_refused_requests_leave_no_trace(engine):
                 await full.add([PromptInput("q", good.prompt_token_ids, greedy(4), time.monotonic())], False)
             assert err.value.retry_after_s == 1
             assert not engine.has_unfinished_requests()
+            # A request that can never run is refused as such, whatever the queue (400 before 503); so
+            # is an id given twice in one call.
+            with pytest.raises(InvalidRequestError, match="prompt token ids"):
+                await full.add([bad], False)
+            with pytest.raises(InvalidRequestError, match="duplicate request id 'twice'"):
+                twice = PromptInput("twice", good.prompt_token_ids, greedy(4), time.monotonic())
+                await full.add([twice, twice], False)
+            assert not engine.has_unfinished_requests()
         finally:
             full.shutdown()
 
@@ -139,7 +147,6 @@ def failing_server(engine: LLMEngine, monkeypatch, num_good_steps: int, message:
         served_model_names=["tiny"],
         model_dir=engine.model_dir,
         max_model_len=engine.max_model_len,
-        vocab_size=engine.model_config.vocab_size,
         metrics=PrometheusStatLogger.from_engine(engine, "tiny"),
     )
     return state, build_app(state)

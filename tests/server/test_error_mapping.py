@@ -113,7 +113,6 @@ def _post(exc: BaseException, path: str, body: dict) -> httpx.Response:
         served_model_names=["m"],
         model_dir="/models/m",
         max_model_len=256,
-        vocab_size=64,
     )
     transport = httpx.ASGITransport(app=build_app(state), raise_app_exceptions=False)
 

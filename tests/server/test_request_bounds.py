@@ -35,7 +35,6 @@ def make_state(**kwargs) -> ServerState:
         served_model_names=["m"],
         model_dir="/models/m",
         max_model_len=256,
-        vocab_size=64,
         **kwargs,
     )
 
