@@ -2,14 +2,15 @@
 
 The loop is three calls (``llm_engine``): the input processor turns prompts into requests, ``step()``
 schedules, executes and lets the scheduler update the requests, the output processor turns the updates
-into ``RequestOutput`` objects.
+into ``RequestOutput`` objects. ``README.md`` beside this file walks one request through every module.
 
 * ``config``: ``EngineArgs``, whose fields are the CLI flags and the CRD's ``spec.engine`` keys.
-* ``engine_config``: the settings resolved once from the args, the checkpoint and the tokenizer.
+* ``engine_config``: ``EngineConfig``, resolved once from the args, the checkpoint and the tokenizer;
+  the only configuration the engine's parts read.
 * ``cpu_threads``: the CPU thread count the engine runs with (affinity, cgroup quota, explicit settings).
 * ``errors``: the engine's typed errors (mapped to HTTP codes by the server).
 * ``sampling_params``: ``SamplingParams``, validated at the edge.
-* ``input_processor``: prompts -> requests: tokenization, validation, the ``n > 1`` fan-out.
+* ``input_processor``: prompts -> requests: tokenization, the one validation, the ``n > 1`` fan-out.
 * ``request``: one sequence's state, written only by the scheduler.
 * ``block_manager``: the paged KV cache's bookkeeping: block tables, prefix cache, copy-on-write, swap.
 * ``scheduler``: continuous batching with chunked prefill and preemption; ``update_from_output``.

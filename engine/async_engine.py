@@ -39,7 +39,7 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import SchedulerStats, StatLoggerBase
 
 if TYPE_CHECKING:
-    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.engine_config import EngineConfig
     from kvpilot.engine.scheduler import Scheduler
 
 __all__ = ["AsyncEngine", "PromptInput", "RequestStream"]
@@ -66,7 +66,7 @@ class SteppedEngine(Protocol):
     """What ``AsyncEngine`` uses of the engine it drives (``LLMEngine`` is one): requests in, a step,
     aborts, the scheduler's state and its run-time knobs, health. Only the engine thread calls it."""
 
-    args: EngineArgs
+    engine_config: EngineConfig
     scheduler: Scheduler
     stat_loggers: list[StatLoggerBase]
     num_steps: int
@@ -220,10 +220,10 @@ class AsyncEngine:
         """What a run-time change must stay within: the values the engine started with."""
         engine = self.engine
         return LiveLimits(
-            max_num_seqs=engine.args.max_num_seqs,
+            max_num_seqs=engine.engine_config.scheduler.max_num_seqs,
             max_num_batched_tokens=engine.max_num_batched_tokens,
             max_model_len=engine.max_model_len,
-            enable_chunked_prefill=engine.args.enable_chunked_prefill,
+            enable_chunked_prefill=engine.engine_config.scheduler.enable_chunked_prefill,
             num_cpu_blocks=engine.num_cpu_blocks,
         )
 

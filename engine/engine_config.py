@@ -1,8 +1,9 @@
 """The engine's settings, resolved once at start-up from ``EngineArgs``, the checkpoint and the tokenizer.
 
 ``resolve`` applies every default and cross-check (device, dtype, parallel layout, ``max_model_len``,
-the token budget, the EOS id, the CPU thread count) in one place; the engine and its parts read the
-resulting frozen ``EngineConfig`` and never re-apply a default. Resolving changes nothing in the
+the token budget, the EOS id, the CPU thread count) in one place; the engine and its parts (the
+scheduler, the executor and every rank) read the resulting frozen ``EngineConfig`` and never the raw
+arguments, nor re-apply a default. Resolving changes nothing in the
 process: the engine applies the thread count when it starts (``cpu_threads.apply_num_threads``).
 """
 
@@ -27,33 +28,60 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """What one engine instance runs with, every default applied and every cross-check passed."""
+class CacheConfig:
+    """How the KV pool is sized and used: the block size, prefix caching, the memory it may take (one
+    of an explicit block count, an explicit size, or a fraction of the budget) and the swap pool."""
 
+    block_size: int
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    num_gpu_blocks_override: int | None
+    cpu_memory_budget_bytes: int | None  # on CPU: what gpu_memory_utilization is a fraction of
+    swap_space_gib: float  # CPU memory for swapped-out blocks, per rank (swap preemption)
+
+    @property
+    def is_sized_explicitly(self) -> bool:
+        """The pool's size is given (no profiling)."""
+        return self.num_gpu_blocks_override is not None or self.kv_cache_memory_bytes is not None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine instance runs with, every default applied and every cross-check passed: made
+    once from ``EngineArgs`` (``resolve``) and the only configuration the engine's parts read (the
+    ranks of a parallel engine get it pickled)."""
+
+    model_dir: str  # the checkpoint's local directory
+    model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype  # weights and activations (the compute type)
     kv_cache_dtype: torch.dtype  # what the KV pool stores (may be narrower than ``dtype`` on CPU)
     dtype_reason: str  # why these two, for the start-up line
     parallel_layout: ParallelLayout
-    max_model_len: int  # prompt + output tokens of one request
-    max_num_batched_tokens: int  # token budget of one step
+    pipeline_micro_batches: int  # 1 without pipeline parallelism
+    distributed_timeout_s: float
+    scheduler: SchedulerConfig  # the start-up values; the scheduler holds the live ones
+    cache: CacheConfig
+    attention_backend: str  # as requested ("auto" included); ``kernels.backend.get_backend`` decides
+    seed: int
     eos_token_id: int | None  # None: the model has no EOS, requests stop on length or stop tokens only
     num_threads: int = 0  # torch intra-op threads the engine runs with on CPU (0: not managed, CUDA)
     threads_reason: str = ""  # where that count came from, for the start-up line
 
-    def scheduler_config(self, args: EngineArgs) -> SchedulerConfig:
-        """The scheduler's knobs: ``args``' own values plus the resolved lengths."""
-        return SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            preemption_mode=args.preemption_mode,
-        )
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens of one request."""
+        return self.scheduler.max_model_len
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The token budget of one step."""
+        return self.scheduler.max_num_batched_tokens
 
 
-def resolve(args: EngineArgs, model_config: ModelConfig, tokenizer) -> EngineConfig:
-    """Resolve ``args`` against the model and the tokenizer.
+def resolve(args: EngineArgs, model_dir: str, model_config: ModelConfig, tokenizer) -> EngineConfig:
+    """Resolve ``args`` against the checkpoint in ``model_dir`` and the tokenizer.
 
     Raises ``ConfigError`` for a device that is not there, parallel sizes the model or the machine
     cannot take, a ``max_model_len`` beyond the model's context, or (without chunked prefill) a token
@@ -71,13 +99,33 @@ def resolve(args: EngineArgs, model_config: ModelConfig, tokenizer) -> EngineCon
     max_model_len = resolve_max_model_len(args.max_model_len, model_config)
     num_threads, threads_reason = resolve_num_threads() if device.type == "cpu" else (0, "")
     return EngineConfig(
+        model_dir=model_dir,
+        model_config=model_config,
         device=device,
         dtype=choice.dtype,
         kv_cache_dtype=choice.kv_cache_dtype,
         dtype_reason=choice.reason,
         parallel_layout=layout,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=resolve_max_num_batched_tokens(args, max_model_len),
+        pipeline_micro_batches=args.pipeline_micro_batches if layout.pipeline_parallel_size > 1 else 1,
+        distributed_timeout_s=args.distributed_timeout_s,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=resolve_max_num_batched_tokens(args, max_model_len),
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            preemption_mode=args.preemption_mode,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            cpu_memory_budget_bytes=args.cpu_memory_budget_bytes,
+            swap_space_gib=args.swap_space,
+        ),
+        attention_backend=args.attention_backend,
+        seed=args.seed,
         eos_token_id=resolve_eos_token_id(tokenizer, model_config),
         num_threads=num_threads,
         threads_reason=threads_reason,

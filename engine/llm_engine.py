@@ -73,41 +73,32 @@ class LLMEngine(ShutdownOnExit):
 
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.monotonic()
-        self.args = args
-        self.model_dir = resolve_model_dir(args.model)
-        self.model_config = cfg = ModelConfig.from_pretrained(self.model_dir)
-        self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
-        self.engine_config: EngineConfig = resolve(args, cfg, self.tokenizer)
+        model_dir = resolve_model_dir(args.model)
+        cfg = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(args.tokenizer or model_dir)
+        # The arguments end here: everything below reads the one resolved configuration.
+        self.engine_config: EngineConfig = resolve(args, model_dir, cfg, self.tokenizer)
         config = self.engine_config
+        self.model_dir, self.model_config = config.model_dir, config.model_config
         if config.num_threads:
             apply_num_threads(config.num_threads, config.threads_reason)
 
-        self.backend = get_backend(args.attention_backend, self.device.type)
-        torch.manual_seed(args.seed)
+        self.backend = get_backend(config.attention_backend, self.device.type)
+        torch.manual_seed(config.seed)
         # Loads the model (sharded over worker processes when parallel), sizes and allocates the KV cache.
-        self.executor = create_executor(
-            ExecutorSpec(
-                self.model_dir,
-                cfg,
-                args,
-                config.parallel_layout,
-                config.dtype,
-                config.kv_cache_dtype,
-                config.device,
-                self.backend,
-                config.max_model_len,
-                config.max_num_batched_tokens,
-            )
-        )
+        self.executor = create_executor(ExecutorSpec(config, self.backend))
         self.runner = self.executor.runner  # this process's runner (rank 0 when parallel)
         self.model = self.runner.model
         self.sampler = self.runner.sampler
         self.kv_plan = self.executor.kv_plan  # per rank when parallel; every rank holds num_blocks
         self.num_cpu_blocks = self.executor.num_cpu_blocks
         self.block_manager = BlockManager(
-            self.kv_plan.num_blocks, args.block_size, args.enable_prefix_caching, self.num_cpu_blocks
+            self.kv_plan.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            self.num_cpu_blocks,
         )
-        self.scheduler = Scheduler(config.scheduler_config(args), self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -136,7 +127,7 @@ class LLMEngine(ShutdownOnExit):
             self.device,
             self.backend.name,
             self.max_model_len,
-            self.args.max_num_seqs,
+            self.engine_config.scheduler.max_num_seqs,
             self.max_num_batched_tokens,
             load_s,
         )

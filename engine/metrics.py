@@ -209,8 +209,8 @@ class PrometheusStatLogger(StatLoggerBase):
     def from_engine(
         cls, engine, model_name: str, registry: CollectorRegistry | None = None
     ) -> PrometheusStatLogger:
-        """Build the exporter for an ``LLMEngine`` (reads its KV plan, arguments and model shape)."""
-        args = engine.args
+        """Build the exporter for an ``LLMEngine`` (reads its KV plan, configuration and model shape)."""
+        config = engine.engine_config
         plan = engine.kv_plan
         num_cpu_blocks = engine.num_cpu_blocks
         cfg = engine.model_config
@@ -220,11 +220,11 @@ class PrometheusStatLogger(StatLoggerBase):
             "block_size": plan.block_size,
             "num_gpu_blocks": plan.num_blocks,
             "num_cpu_blocks": num_cpu_blocks,
-            "gpu_memory_utilization": args.gpu_memory_utilization,
-            "enable_prefix_caching": args.enable_prefix_caching,
-            "preemption_mode": args.preemption_mode,
-            "swap_space_bytes": int(args.swap_space * GiB),
-            "num_gpu_blocks_override": args.num_gpu_blocks_override,
+            "gpu_memory_utilization": config.cache.gpu_memory_utilization,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
+            "preemption_mode": config.scheduler.preemption_mode,
+            "swap_space_bytes": int(config.cache.swap_space_gib * GiB),
+            "num_gpu_blocks_override": config.cache.num_gpu_blocks_override,
             "cache_dtype": kv_dtype,
         }
         model_config = {
@@ -234,10 +234,10 @@ class PrometheusStatLogger(StatLoggerBase):
             "num_hidden_layers": cfg.num_hidden_layers,
             "intermediate_size": cfg.intermediate_size,
             "head_dim": cfg.head_dim,
-            "tensor_parallel_size": args.tensor_parallel_size,
-            "pipeline_parallel_size": args.pipeline_parallel_size,
+            "tensor_parallel_size": config.parallel_layout.tensor_parallel_size,
+            "pipeline_parallel_size": config.parallel_layout.pipeline_parallel_size,
             "max_model_len": engine.max_model_len,
-            "max_num_seqs": args.max_num_seqs,
+            "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": engine.max_num_batched_tokens,
             "dtype": dtype,
         }

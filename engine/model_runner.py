@@ -23,18 +23,21 @@ import itertools
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.memory import KVPoolPlan, cpu_activation_estimate, plan_kv_pool, total_system_memory
 from kvpilot.engine.models.layers import prepack_cpu_linears
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.sampler import Sampler, SamplingRow
-from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
 from kvpilot.kernels.backend import AttentionBackend
 from kvpilot.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvpilot.engine.engine_config import CacheConfig
 
 
 @dataclass
@@ -352,7 +355,7 @@ class ModelRunner:
         hidden = self.model(ids, pos, caches, meta)
         self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=self.device) - 1])
 
-    def size_kv_pool(self, args: EngineArgs, max_model_len: int, max_num_batched_tokens: int) -> KVPoolPlan:
+    def size_kv_pool(self, cache: CacheConfig, scheduler: SchedulerConfig) -> KVPoolPlan:
         """How many KV blocks this rank can hold.
 
         The memory budget (``gpu_memory_utilization`` of the device, or of ``cpu_memory_budget_bytes``
@@ -363,23 +366,23 @@ class ModelRunner:
         weights = (
             sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.packed_weight_bytes
         )
-        explicit = args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None
+        explicit = cache.is_sized_explicitly
         activation = 0
         budget = 0
         used = 0
         if not explicit:
-            tokens = max_num_batched_tokens
+            tokens = scheduler.max_num_batched_tokens
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-                self.profile_forward(tokens, args.max_num_seqs)
+                self.profile_forward(tokens, scheduler.max_num_seqs)
                 torch.cuda.synchronize(device)
                 activation = torch.cuda.max_memory_allocated(device) - before
                 free, budget = torch.cuda.mem_get_info(device)
                 used = budget - free - weights  # other processes and the CUDA context
             else:
-                budget = args.cpu_memory_budget_bytes or total_system_memory() // 2
+                budget = cache.cpu_memory_budget_bytes or total_system_memory() // 2
                 # The logits this rank materialises: all of them on the sampling rank, its shard of the
                 # vocabulary on the other ranks of the last stage.
                 if shard.is_sampler:
@@ -392,16 +395,16 @@ class ModelRunner:
                     shard.intermediate_size,
                     (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim,
                     logits_vocab,
-                    args.max_num_seqs,
+                    scheduler.max_num_seqs,
                     dtype.itemsize,
                 )
         return plan_kv_pool(
-            block_size=args.block_size,
+            block_size=cache.block_size,
             bytes_per_block=self.kv_bytes_per_block,
-            max_model_len=max_model_len,
-            num_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=scheduler.max_model_len,
+            num_blocks_override=cache.num_gpu_blocks_override,
+            kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
             budget_bytes=budget,
             weights_bytes=weights,
             activation_bytes=activation,

@@ -14,10 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.memory import KVPoolPlan
 from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.parallel.layout import ParallelLayout
 from kvpilot.engine.parallel.rank import Rank, RankSpec
@@ -25,39 +23,29 @@ from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.kernels.backend import AttentionBackend
 
 if TYPE_CHECKING:
+    from kvpilot.engine.engine_config import EngineConfig
     from kvpilot.engine.parallel.comm import CommSpec
 
 
 @dataclass(frozen=True)
 class ExecutorSpec:
-    """What the engine resolved before building its executor."""
+    """What the engine resolved before building its executor: its configuration and the attention
+    backend it chose (its name travels to the other ranks)."""
 
-    model_dir: str
-    model_config: ModelConfig
-    args: EngineArgs
-    layout: ParallelLayout
-    dtype: torch.dtype
-    kv_cache_dtype: torch.dtype
-    device: torch.device
+    config: EngineConfig
     backend: AttentionBackend
-    max_model_len: int
-    max_num_batched_tokens: int
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.config.parallel_layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.config.device
 
     def rank_spec(self, comm: CommSpec | None = None) -> RankSpec:
         """What every rank of this engine builds itself from (``comm``: None for one rank)."""
-        return RankSpec(
-            model_dir=self.model_dir,
-            model_config=self.model_config,
-            args=self.args,
-            layout=self.layout,
-            comm=comm,
-            dtype=self.dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-            device_type=self.device.type,
-            attention_backend=self.backend.name,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-        )
+        return RankSpec(config=self.config, comm=comm, attention_backend=self.backend.name)
 
 
 class Executor(ABC):

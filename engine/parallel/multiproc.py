@@ -83,7 +83,7 @@ class MultiProcExecutor(Executor):
                     layout.world_size,
                     os.cpu_count(),
                 )
-        timeout_s = spec.args.distributed_timeout_s
+        timeout_s = spec.config.distributed_timeout_s
         store = serve_store(layout.world_size, timeout_s)
         rank_spec = spec.rank_spec(CommSpec(store.port, layout.world_size, self.backend_name, timeout_s))
         ctx = mp.get_context("spawn")

@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.memory import KVPoolPlan, num_cpu_swap_blocks
 from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.layers import SingleRankComm
 from kvpilot.engine.models.loader import load_model
 from kvpilot.engine.outputs import ModelRunnerOutput
@@ -26,24 +24,26 @@ from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.kernels.backend import get_backend
 
 if TYPE_CHECKING:
+    from kvpilot.engine.engine_config import EngineConfig
     from kvpilot.engine.parallel.comm import CommSpec
 
 
 @dataclass(frozen=True)
 class RankSpec:
-    """Everything a rank needs to build itself (picklable: sent to every worker)."""
+    """Everything a rank needs to build itself (picklable: sent to every worker). A rank of a CUDA
+    engine uses ``cuda:rank``."""
 
-    model_dir: str
-    model_config: ModelConfig
-    args: EngineArgs
-    layout: ParallelLayout
+    config: EngineConfig
     comm: CommSpec | None  # None for a one-rank engine
-    dtype: torch.dtype
-    kv_cache_dtype: torch.dtype
-    device_type: str  # "cpu" | "cuda" (rank r uses cuda:r)
-    attention_backend: str
-    max_model_len: int
-    max_num_batched_tokens: int
+    attention_backend: str  # the driver's resolved choice
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.config.parallel_layout
+
+    @property
+    def device_type(self) -> str:
+        return self.config.device.type
 
 
 @dataclass(frozen=True)
@@ -84,29 +84,28 @@ class Rank:
     def load(self) -> RankReport:
         """Load this rank's share of the model and build its runner (a sampler on the sampling rank
         only)."""
-        spec = self.spec
-        backend = get_backend(spec.attention_backend, spec.device_type)
-        torch.manual_seed(spec.args.seed)
+        config = self.spec.config
+        backend = get_backend(self.spec.attention_backend, config.device.type)
+        torch.manual_seed(config.seed)
         model = load_model(
-            spec.model_dir,
-            spec.model_config,
+            config.model_dir,
+            config.model_config,
             backend,
-            spec.dtype,
+            config.dtype,
             self.device,
-            max(spec.max_model_len, 1),
+            max(config.max_model_len, 1),
             self.shard,
             self.comm,
         )
-        sampler = Sampler(spec.args.seed, self.device) if self.shard.is_sampler else None
-        pp = spec.layout.pipeline_parallel_size
+        sampler = Sampler(config.seed, self.device) if self.shard.is_sampler else None
         self.runner = ModelRunner(
             model,
             backend,
             self.device,
-            spec.args.block_size,
+            config.cache.block_size,
             sampler,
-            kv_cache_dtype=spec.kv_cache_dtype,
-            num_micro_batches=spec.args.pipeline_micro_batches if pp > 1 else 1,
+            kv_cache_dtype=config.kv_cache_dtype,
+            num_micro_batches=config.pipeline_micro_batches,
         )
         return self.report()
 
@@ -123,14 +122,16 @@ class Rank:
     def plan_kv(self) -> KVPoolPlan:
         """This rank's own KV plan (a parallel driver then takes the smallest number of blocks of all
         ranks)."""
-        spec = self.spec
-        self.plan = self.runner.size_kv_pool(spec.args, spec.max_model_len, spec.max_num_batched_tokens)
+        config = self.spec.config
+        self.plan = self.runner.size_kv_pool(config.cache, config.scheduler)
         return self.plan
 
     def num_cpu_blocks(self) -> int:
         """Blocks of the CPU swap pool this rank can hold (``swap_space`` GiB per rank, swap mode)."""
-        args = self.spec.args
-        return num_cpu_swap_blocks(args.preemption_mode, args.swap_space, self.runner.kv_bytes_per_block)
+        config = self.spec.config
+        return num_cpu_swap_blocks(
+            config.scheduler.preemption_mode, config.cache.swap_space_gib, self.runner.kv_bytes_per_block
+        )
 
     def allocate(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate this rank's KV cache (its layers and KV heads) and CPU swap pool."""

@@ -109,6 +109,7 @@ def test_resolving_the_config_sets_no_threads(tiny_llama, monkeypatch):
     monkeypatch.setattr("kvpilot.engine.cpu_threads.available_cpus", lambda: saved + 1)
     config = resolve(
         EngineArgs(model=str(tiny_llama), device="cpu"),
+        str(tiny_llama),
         ModelConfig.from_pretrained(tiny_llama),
         load_tokenizer(tiny_llama),
     )
