@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.engine.errors import ConfigError, EngineDeadError, InvalidRequestError, QueueFullError
-from kvpilot.engine.input_processor import CLIP_TO_CONTEXT, ContextRule, NewRequest
+from kvpilot.engine.input_processor import CLIP_TO_CONTEXT, ContextRule, InputProcessor, NewRequest
 from kvpilot.engine.live_config import LiveConfig, LiveLimits, apply_update
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.request_stream import RequestStream
@@ -68,6 +68,7 @@ class SteppedEngine(Protocol):
 
     engine_config: EngineConfig
     scheduler: Scheduler
+    input_processor: InputProcessor
     stat_loggers: list[StatLoggerBase]
     num_steps: int
     num_cpu_blocks: int
@@ -373,16 +374,17 @@ class AsyncEngine:
         added: list[str] = []
         try:
             checked: list[NewRequest] = []
-            ids: set[str] = set()
+            ids: set[str] = set()  # user and sequence ids of this call
             for inp in inputs:
                 if inp.request_id in ids:
                     raise InvalidRequestError(f"duplicate request id {inp.request_id!r}", param=None)
-                ids.add(inp.request_id)
-                checked.append(
-                    engine.check_request(
-                        inp.request_id, inp.prompt_token_ids, inp.params, inp.arrival_time, inp.context
-                    )
+                new = engine.check_request(
+                    inp.request_id, inp.prompt_token_ids, inp.params, inp.arrival_time, inp.context
                 )
+                engine.input_processor.check_sequence_ids_free(new.seqs, ids)
+                ids.add(inp.request_id)
+                ids.update(seq.req_id for seq in new.seqs)
+                checked.append(new)
             if self.max_waiting_requests is not None:
                 # Admission counts sequences: one call of P prompts x n queues P * n of them.
                 num_waiting = engine.stats().num_waiting

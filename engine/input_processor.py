@@ -100,13 +100,15 @@ class InputProcessor:
         text = prompt if isinstance(prompt, str) else None
         if params.n == 1:
             seqs = [self._request(request_id, request_id, token_ids, params, arrival)]
-            return NewRequest(request_id, text, token_ids, params, seqs)
-        seqs = []
-        for i in range(params.n):
-            # Siblings draw different samples: each gets its own seed offset.
-            seed = None if params.seed is None else params.seed + i
-            sibling_params = dataclasses.replace(params, n=1, seed=seed)
-            seqs.append(self._request(f"{request_id}#{i}", request_id, token_ids, sibling_params, arrival))
+        else:
+            seqs = []
+            for i in range(params.n):
+                # Siblings draw different samples: each gets its own seed offset.
+                seed = None if params.seed is None else params.seed + i
+                sibling_params = dataclasses.replace(params, n=1, seed=seed)
+                sibling = self._request(f"{request_id}#{i}", request_id, token_ids, sibling_params, arrival)
+                seqs.append(sibling)
+        self.check_sequence_ids_free(seqs)
         return NewRequest(request_id, text, token_ids, params, seqs)
 
     def process_beam_search(
@@ -134,6 +136,7 @@ class InputProcessor:
             ignore_eos=True,
         )
         first = self._request(f"{request_id}#b0", request_id, token_ids, beam_params, time.monotonic())
+        self.check_sequence_ids_free([first])
         return state, first
 
     def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
@@ -155,6 +158,15 @@ class InputProcessor:
     def _check_new(self, request_id: str) -> None:
         if request_id in self.active_request_ids:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param=None)
+
+    def check_sequence_ids_free(self, seqs: list[Request], taken: Container[str] = ()) -> None:
+        """Refuse sequences whose ids a queued sequence (or ``taken``) holds: a user id may spell
+        another request's sibling or beam id (``x#1``, ``x#b0``)."""
+        clash = [s.req_id for s in seqs if s.req_id in self.scheduler.requests or s.req_id in taken]
+        if clash:
+            raise InvalidRequestError(
+                f"request id {seqs[0].client_request_id!r}: sequence id {clash[0]!r} is in use", param=None
+            )
 
     def _check_num_seqs(self, num_seqs: int, what: str, hint: str, param: str) -> None:
         limit = self.scheduler.config.max_num_seqs

@@ -94,3 +94,18 @@ def test_the_sequence_bounds_are_the_schedulers_live_ones():
     state, first = proc.process_beam_search("b", [1, 2, 3], BeamSearchParams(beam_width=3, max_tokens=500))
     # A search's max_tokens is clipped to the context left after the prompt.
     assert state.params.max_tokens == 128 - 3 and first.req_id == "b#b0"
+
+
+def test_a_user_id_that_spells_a_queued_sequence_id_is_refused():
+    proc, sched, active = processor()
+    new = proc.process("x", [1, 2, 3], SamplingParams(n=2))
+    sched.add_request(new.seqs[0], siblings=new.seqs[1:])
+    active.add("x")
+    for spelled in ("x#0", "x#1"):
+        err = refused(proc, spelled, [1, 2], SamplingParams())
+        assert f"sequence id {spelled!r} is in use" in str(err) and err.param is None
+    state, first = proc.process_beam_search("y", [1, 2], BeamSearchParams(beam_width=2, max_tokens=4))
+    sched.add_request(first)
+    with pytest.raises(InvalidRequestError, match="'y#b0' is in use"):
+        proc.process("y#b0", [1, 2], SamplingParams())
+    assert sorted(sched.requests) == ["x#0", "x#1", "y#b0"]

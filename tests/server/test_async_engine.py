@@ -100,6 +100,10 @@ def test_refused_requests_leave_no_trace(engine):
             with pytest.raises(InvalidRequestError, match="duplicate request id 'twice'"):
                 twice = PromptInput("twice", good.prompt_token_ids, greedy(4), time.monotonic())
                 await full.add([twice, twice], False)
+            # ... or a sibling's id of another prompt of the same call.
+            with pytest.raises(InvalidRequestError, match="duplicate request id 'p#1'"):
+                pair = PromptInput("p", good.prompt_token_ids, SamplingParams(n=2, max_tokens=4), 0.0)
+                await full.add([pair, PromptInput("p#1", good.prompt_token_ids, greedy(4), 0.0)], False)
             assert not engine.has_unfinished_requests()
         finally:
             full.shutdown()
