@@ -11,9 +11,9 @@ DEMO_STAMP := $(VENV)/.demo-installed
 
 .PHONY: demo
 
-# The venv of `make test` plus the `demo` extra (matplotlib); torch stays as installed.
+# The venv of `make test` plus the `demo` extra (matplotlib), pinned like it; torch stays as installed.
 $(DEMO_STAMP): $(STAMP)
-	$(PIP) install -q -e '.[demo]'
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo]'
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
