@@ -1,12 +1,12 @@
 """The linears of a checkpoint on CPU as a step runs them: every layer's own weights, so that a pass
 streams them from memory as a decode step does (a benchmark that reuses one weight measures a warm cache
 instead). For each token count: the engine's float32 ``F.linear``, oneDNN-prepacked float32 weights,
-and two floors, reading the float32 weights (or bfloat16 ones, half the bytes) at the read bandwidth
-this core measures, and the FLOPs at the best rate a large warm matmul reaches here.
+bfloat16-stored weight panels widened in registers (``cpu_ops.linear_bf16w``), and two floors: reading
+the float32 weights (or bfloat16 ones, half the bytes) at the read bandwidth this core measures, and the
+FLOPs at the best rate a large warm matmul reaches here.
 
 At small token counts (decode batches) a pass is bound by reading the weights, not by the FMAs; the
-floors say how far each path is from that, and what bfloat16-stored weights (widened to float32 in
-registers) could gain.
+floors say how far each path is from that.
 
     python benchmarks/linear_cpu.py --model ~/.cache/kvpilot-peer/models/small --threads 1
 
@@ -93,6 +93,10 @@ def main() -> None:
     bandwidth = read_bandwidth()
     peak = max(warm_peak(k, n) for _, k, n in shapes[:4])
     plain = [lambda x, w=w: F.linear(x, w) for w in weights]
+    from kvpilot.kernels import cpu_ops
+
+    panels = [(cpu_ops.pack_bf16_panels(w), w.shape[0]) for w in weights]
+    bf16w = [lambda x, p=p, n=n: cpu_ops.linear_bf16w(x, p, n) for p, n in panels]
     layers = config["num_hidden_layers"]
     print(
         f"{layers} layers, {params / 1e6:.1f}M linear weights ({params * 4 / 1e6:.0f} MB float32), "
@@ -100,7 +104,10 @@ def main() -> None:
         f"warm matmul {peak / 1e9:.1f} GFLOP/s",
         flush=True,
     )
-    header = "tokens | F.linear ms | oneDNN-packed ms | floor fp32 weights | floor bf16 weights | floor FLOPs"
+    header = (
+        "tokens | F.linear ms | oneDNN-packed ms | bf16 panels ms | floor fp32 weights | floor bf16 weights "
+        "| floor FLOPs"
+    )
     print(header)
     rows = []
     for m in [int(t) for t in args.tokens.split(",")]:
@@ -111,19 +118,23 @@ def main() -> None:
         ]
         t_plain = time_pass(plain, m, k_of, args.repeats)
         t_packed = time_pass(packed, m, k_of, args.repeats)
+        t_bf16w = time_pass(bf16w, m, k_of, args.repeats)
         del packed_weights, packed
         row = {
             "tokens": m,
             "f_linear_ms": 1000 * t_plain,
             "onednn_packed_ms": 1000 * t_packed,
+            "bf16_panels_ms": 1000 * t_bf16w,
             "floor_fp32_weights_ms": 1000 * params * 4 / bandwidth,
             "floor_bf16_weights_ms": 1000 * params * 2 / bandwidth,
             "floor_flops_ms": 1000 * 2 * m * params / peak,
             "f_linear_gflops": 2 * m * params / t_plain / 1e9,
+            "bf16_panels_gflops": 2 * m * params / t_bf16w / 1e9,
         }
         rows.append(row)
         print(
             f"{m:6d} | {row['f_linear_ms']:11.1f} | {row['onednn_packed_ms']:16.1f} | "
+            f"{row['bf16_panels_ms']:14.1f} | "
             f"{row['floor_fp32_weights_ms']:18.1f} | {row['floor_bf16_weights_ms']:18.1f} | "
             f"{row['floor_flops_ms']:11.1f}",
             flush=True,

@@ -29,7 +29,7 @@ logger = logging.getLogger("kvpilot.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "paged_attention_cpu.cpp"
-SOURCES = (SOURCE, CSRC / "fused_cpu.cpp")
+SOURCES = (SOURCE, CSRC / "fused_cpu.cpp", CSRC / "linear_cpu.cpp")
 # -fopenmp-simd: the `omp simd` loops may reassociate their reductions; nothing else is relaxed
 # (no -ffast-math: results must stay within the reference's tolerance).
 CFLAGS = ("-O3", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-math-errno")

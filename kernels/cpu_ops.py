@@ -13,6 +13,10 @@ them (``uses_amx()``; P rounded to bfloat16 for the PV product). See
 rotary in place, SiLU x up) used for bfloat16 activations, or None where the extension is not
 available; they round as the torch ops they replace (see ``kernels/csrc/fused_cpu.cpp``).
 
+``pack_bf16_panels(weight)`` and ``linear_bf16w(x, packed, n)``: a linear for few-token steps on CPUs
+without native bfloat16, float32 activations times bfloat16-stored weights widened in registers (see
+``kernels/csrc/linear_cpu.cpp``).
+
 The extension is compiled on first use (``cpu_build``) and cached on disk; ``is_available()`` says
 whether it could be built or loaded, and never raises.
 """
@@ -31,6 +35,8 @@ __all__ = [
     "copy_blocks",
     "fused_ops",
     "is_available",
+    "linear_bf16w",
+    "pack_bf16_panels",
     "paged_attention",
     "swap_blocks",
     "uses_amx",
@@ -163,3 +169,26 @@ def fused_ops() -> FusedOps | None:
     """The fused ops, or None when the extension cannot be built (the failure is logged once)."""
     ext = load_extension()
     return FusedOps(ext) if ext is not None else None
+
+
+PANEL = 16  # output columns per weight panel of ``linear_bf16w``
+
+
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` rounded to bfloat16 (exact for a bfloat16 checkpoint) in the panels
+    ``linear_bf16w`` reads: ``[ceil(N / 16), K, 16]``, panel ``p`` column ``c`` = output ``16 p + c``
+    (padding columns zero)."""
+    n, k = weight.shape
+    num_panels = -(-n // PANEL)
+    padded = torch.zeros(num_panels * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach().to(torch.bfloat16)
+    return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``x [M, K]`` (float32, rows contiguous) times the packed weight: float32 ``[M, n]``, summed in
+    float32. Raises ``RuntimeError`` where the extension is not available."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("the CPU kernel extension is not available")
+    return ext.linear_bf16w(x, packed, n)
