@@ -23,6 +23,9 @@ namespace {
 constexpr int kPanel = 16;  // output columns per panel
 constexpr int kRows = 6;    // token rows per register tile
 constexpr int64_t kBlockRows = 16 * kRows;  // token rows per pass over the weight
+// Up to these rows the tiles widen the weights in registers (reading 2 bytes per weight per tile); past
+// them a float32 copy of the panel, written once, costs less (benchmarks/linear_cpu.py).
+constexpr int64_t kDirectRows = 4 * kRows;
 
 // A bfloat16's bits as float32 (exact), or a float32 as is.
 inline float widen(uint16_t bits) {
@@ -136,12 +139,15 @@ template <typename W>
 constexpr TileFn<W> kTiles[kRows + 1] = {nullptr,          panel_tile<1, W>, panel_tile<2, W>, panel_tile<3, W>,
                                          panel_tile<4, W>, panel_tile<5, W>, panel_tile<6, W>};
 
-// The rows of x times one panel. Past one tile of rows the panel is widened once into float32 (it stays
-// in L1 or L2), so that each tile's inner loop is loads and FMAs only.
+// The rows of x times one panel. Past kDirectRows the panel is widened once into float32 (it stays in L1
+// or L2), so that each tile's inner loop is loads and FMAs only.
 void panel_rows(const float* x, int64_t ldx, int64_t M, const uint16_t* panel, int64_t K, float* y,
                 int64_t ldy, int cols, std::vector<float>& wide) {
-  if (M <= kRows) {
-    kTiles<uint16_t>[M](x, ldx, panel, K, y, ldy, cols);
+  if (M <= kDirectRows) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      kTiles<uint16_t>[rows](x + m0 * ldx, ldx, panel, K, y + m0 * ldy, ldy, cols);
+    }
     return;
   }
   wide.resize(static_cast<size_t>(K) * kPanel);
