@@ -177,7 +177,9 @@ class BeamSearchGroup:
     Each beam samples greedily with ``logprobs = num_candidates`` and then pauses (keeping its KV)
     until every running beam of the group has reported for the same length; ``advance`` then runs
     the selection: winners continue in place or fork, losers finish. The group never touches the
-    scheduler: it returns what to do as intents, which the engine applies in order.
+    scheduler and holds none of its objects (only the beams' ids; its own ``state`` has their
+    tokens): it returns what to do as intents, which the engine applies in order. ``first`` is the
+    first beam's ``Request``, read once here for the values every beam shares.
     """
 
     def __init__(self, request_id: str, prompt: str | None, state: BeamSearchState, first: Request) -> None:
@@ -185,62 +187,62 @@ class BeamSearchGroup:
         self.prompt = prompt
         self.prompt_token_ids = first.prompt_token_ids
         self.state = state
-        self.beams: list[Request] = [first]
+        self._sampling_params = first.sampling_params
+        self._eos_token_id = first.eos_token_id
+        self._arrival_time = first.arrival_time
+        self.beam_ids: list[str] = [first.req_id]
         self.reports: dict[str, dict[int, float]] = {}
         self._next_beam = 1
 
-    @property
-    def req_ids(self) -> list[str]:
-        """The scheduler ids of the running beams."""
-        return [b.req_id for b in self.beams]
-
-    def on_sampled(self, seq: Request) -> bool:
-        """Record ``seq``'s candidates (it must then be paused); True when every beam has reported."""
-        self.reports[seq.req_id] = seq.logprobs[-1]
-        return all(b.req_id in self.reports for b in self.beams)
+    def on_sampled(self, req_id: str, top_logprobs: dict[int, float]) -> bool:
+        """Record the candidates the beam ``req_id`` reported (its sampled token first; it must then
+        be paused); True when every beam has reported."""
+        self.reports[req_id] = top_logprobs
+        return all(b in self.reports for b in self.beam_ids)
 
     def advance(self) -> list[BeamIntent]:
         """Select the next beams; return the forks, then the finished beams, then the resumed ones.
         ``state.done`` tells whether the search is over (every beam then finishes)."""
-        continuations = self.state.step([self.reports[b.req_id] for b in self.beams])
+        generated = [tokens for tokens, _ in self.state.beams]  # each beam's tokens before this step
+        sampled = [next(iter(self.reports[b])) for b in self.beam_ids]  # the token each beam appended
+        continuations = self.state.step([self.reports[b] for b in self.beam_ids])
         self.reports.clear()
         if self.state.done:
             return self.finish()
         # A winner whose parent already holds its token continues in the parent; the rest fork.
-        chosen: list[Request | None] = [None] * len(continuations)
+        chosen: list[str | None] = [None] * len(continuations)
         kept: set[str] = set()
         for i, c in enumerate(continuations):
-            parent = self.beams[c.parent]
-            if parent.output_token_ids[-1] == c.token and parent.req_id not in kept:
+            parent = self.beam_ids[c.parent]
+            if sampled[c.parent] == c.token and parent not in kept:
                 chosen[i] = parent
-                kept.add(parent.req_id)
+                kept.add(parent)
         intents: list[BeamIntent] = []
         for i, c in enumerate(continuations):
             if chosen[i] is None:
-                parent = self.beams[c.parent]
-                chosen[i] = self._child(parent, c.token)
-                intents.append(Fork(parent.req_id, chosen[i]))
-        intents += [
-            Finish(b.req_id, RequestStatus.FINISHED_ABORTED) for b in self.beams if b.req_id not in kept
-        ]
-        intents += [Resume(seq.req_id) for seq in chosen if seq.req_id in kept]
-        self.beams = chosen
+                child = self._child(generated[c.parent] + [c.token])
+                chosen[i] = child.req_id
+                intents.append(Fork(self.beam_ids[c.parent], child))
+        intents += [Finish(b, RequestStatus.FINISHED_ABORTED) for b in self.beam_ids if b not in kept]
+        intents += [Resume(b) for b in chosen if b in kept]
+        self.beam_ids = chosen
         return intents
 
-    def _child(self, parent: Request, token: int) -> Request:
+    def _child(self, output_token_ids: list[int]) -> Request:
+        """A new beam (for the scheduler to fork) with these generated tokens."""
         child = Request(
             req_id=f"{self.request_id}#b{self._next_beam}",
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=parent.sampling_params,
-            eos_token_id=parent.eos_token_id,
-            arrival_time=parent.arrival_time,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self._sampling_params,
+            eos_token_id=self._eos_token_id,
+            arrival_time=self._arrival_time,
             client_request_id=self.request_id,
         )
         self._next_beam += 1
         # The child shares the prompt list; only the generated tokens are its own.
-        child.output_token_ids = parent.output_token_ids[:-1] + [token]
+        child.output_token_ids = output_token_ids
         return child
 
     def finish(self) -> list[BeamIntent]:
         """Finish every remaining beam (the search is over)."""
-        return [Finish(b.req_id, RequestStatus.FINISHED_STOPPED) for b in self.beams]
+        return [Finish(b, RequestStatus.FINISHED_STOPPED) for b in self.beam_ids]

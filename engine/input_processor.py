@@ -125,8 +125,8 @@ class InputProcessor:
             params.beam_width, f"beam_width {params.beam_width} exceeds", "every beam runs as a sequence", "n"
         )
         self._check_context(len(token_ids), params.max_tokens, CLIP_TO_CONTEXT)
-        room = self.scheduler.config.max_model_len - len(token_ids)
-        limited = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        cap = output_cap(len(token_ids), params.max_tokens, self.scheduler.config.max_model_len)
+        limited = dataclasses.replace(params, max_tokens=cap)
         state = BeamSearchState(limited, self.eos_token_id)
         # Beams sample greedily and report their top candidates; the group decides when they stop.
         beam_params = SamplingParams(

@@ -31,13 +31,13 @@ from kvpilot.engine.input_processor import CLIP_TO_CONTEXT, ContextRule, InputPr
 from kvpilot.engine.memory import format_bytes
 from kvpilot.engine.models.config import ModelConfig
 from kvpilot.engine.models.loader import resolve_model_dir
-from kvpilot.engine.output_processor import OutputProcessor
+from kvpilot.engine.output_processor import OutputProcessor, StepRecord
 from kvpilot.engine.outputs import ModelRunnerOutput, RequestOutput
 from kvpilot.engine.parallel import ExecutorSpec, ParallelLayout, create_executor
 from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
-from kvpilot.engine.scheduler_output import RequestUpdate, SchedulerOutput
+from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.stats import SchedulerStats, StatLoggerBase, make_iteration_stats
 from kvpilot.kernels.backend import get_backend
 
@@ -218,7 +218,13 @@ class LLMEngine(ShutdownOnExit):
         """Queue a request ``check_request`` returned (before any other request is added)."""
         self.scheduler.add_request(new.seqs[0], siblings=new.seqs[1:])
         self.output_processor.add_request(
-            new.request_id, new.prompt_text, new.prompt_token_ids, new.params, new.seqs, stream
+            new.request_id,
+            new.prompt_text,
+            new.prompt_token_ids,
+            new.params,
+            [seq.req_id for seq in new.seqs],
+            new.seqs[0].arrival_time,
+            stream,
         )
 
     def add_beam_search_request(
@@ -230,7 +236,9 @@ class LLMEngine(ShutdownOnExit):
         state, first = self.input_processor.process_beam_search(request_id, prompt, params)
         self.scheduler.add_request(first)
         text = prompt if isinstance(prompt, str) else None
-        self.output_processor.add_beam_search(BeamSearchGroup(request_id, text, state, first))
+        self.output_processor.add_beam_search(
+            BeamSearchGroup(request_id, text, state, first), first.arrival_time
+        )
 
     def abort_request(self, request_ids: str | list[str]) -> int:
         """Abort requests now; their KV blocks are free when this returns. Unknown ids are ignored.
@@ -266,21 +274,18 @@ class LLMEngine(ShutdownOnExit):
         t1 = time.perf_counter()
         runner_out = self.executor.execute(sched_out)
         t2 = time.perf_counter()
-        updates = self.scheduler.update_from_output(sched_out, runner_out)
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         self.num_steps += 1
-        outputs = self._process_outputs(updates)
-        if self.stat_loggers:
-            num_preemptions = self.scheduler.num_preemptions_total - num_preemptions_before
-            self._log_stats(sched_out, runner_out, updates, num_preemptions, t1 - t0, t2)
-        return outputs
-
-    def _process_outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
-        processed = self.output_processor.process(updates)
-        for req_id, stop_string in processed.stop_strings.items():
-            self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_string)
+        processed = self.output_processor.process(core_outputs, time.monotonic())
+        # What flows back into the core: the ids to finish (stop strings), and the beam searches' intents.
+        self.scheduler.finish_requests(processed.stop_ids, RequestStatus.FINISHED_STOPPED)
         for intent in processed.beam_intents:
             self._apply(intent)
-        return self.output_processor.make_outputs(processed)
+        outputs = self.output_processor.make_outputs(processed)
+        if self.stat_loggers:
+            num_preemptions = self.scheduler.num_preemptions_total - num_preemptions_before
+            self._log_stats(sched_out, runner_out, processed.record, num_preemptions, t1 - t0, t2)
+        return outputs
 
     def _apply(self, intent: BeamIntent) -> None:
         match intent:
@@ -297,13 +302,13 @@ class LLMEngine(ShutdownOnExit):
         self,
         sched_out: SchedulerOutput,
         runner_out: ModelRunnerOutput,
-        updates: list[RequestUpdate],
+        record: StepRecord,
         num_preemptions: int,
         schedule_s: float,
         executed_at: float,
     ) -> None:
         update_s = max(0.0, time.perf_counter() - executed_at)
-        stats = make_iteration_stats(sched_out, runner_out, updates, num_preemptions, schedule_s, update_s)
+        stats = make_iteration_stats(sched_out, runner_out, record, num_preemptions, schedule_s, update_s)
         sched_stats = self.scheduler.stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched_stats, stats)

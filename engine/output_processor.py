@@ -1,17 +1,18 @@
-"""Request updates in, ``RequestOutput`` objects out: detokenization, stop strings, the ``n > 1`` merge,
-streaming deltas and beam search (torch-free).
+"""Core outputs in, ``RequestOutput`` objects out: detokenization, stop strings, the ``n > 1`` merge,
+streaming deltas, beam search and the per-sequence timings the metrics read (torch-free).
 
 A streaming request's outputs carry only what is new since its previous output (text, token ids,
 logprobs; the cumulative logprob is a running sum), so each step costs O(new tokens) whatever the
 length so far; a non-streaming request gets one output with everything.
 
 The output processor owns the per-user-request state, keyed by the user's request id: the sequences of
-an ``n``-way request with their detokenizers, or a beam search group. It never changes a sequence:
-what the scheduler must do (finish a sequence whose text hit a stop string, pause, fork or finish
-beams) it returns, and the engine applies before asking for the outputs. One step is::
+an ``n``-way request (``SeqState``: its tokens, logprobs, finish and timings, built from the core's
+``CoreOutput`` values alone) with their detokenizers, or a beam search group. It never reads or writes
+the scheduler's objects. What the scheduler must do it returns: the ids of sequences whose text hit a
+stop string (to finish), and the beam searches' intents. One step is::
 
-    processed = output_processor.process(updates)   # text, stop strings, beam selection
-    ... the engine applies processed.stop_strings and processed.beam_intents to the scheduler ...
+    processed = output_processor.process(core_outputs, now)   # text, stop strings, beam selection
+    ... the engine finishes processed.stop_ids and applies processed.beam_intents ...
     outputs = output_processor.make_outputs(processed)
 """
 
@@ -19,12 +20,84 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.engine.beam_search import BeamIntent, BeamSearchGroup, Pause
+from kvpilot.engine.beam_search import BeamIntent, BeamSearchGroup, Finish, Fork, Pause
 from kvpilot.engine.detokenizer import IncrementalDetokenizer, StopStrings
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvpilot.engine.request import Request
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.scheduler_output import RequestUpdate
+from kvpilot.engine.scheduler_output import CoreOutput
+from kvpilot.engine.stats import FinishedRequestStats
+
+
+@dataclass
+class SeqState:
+    """One sequence as the output processor knows it: what the core reported about it, accumulated."""
+
+    req_id: str
+    num_prompt_tokens: int
+    arrival_time: float
+    wants_logprobs: bool
+    output_token_ids: list[int] = field(default_factory=list)
+    # logprobs[i] = {token_id: logprob} for output token i (sampled token first), when requested.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.wants_logprobs and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def record(self, out: CoreOutput, now: float, step: StepRecord) -> None:
+        """Take in one core output: tokens, logprobs, the core's events, and the latency it marks."""
+        if self.first_token_time is None:
+            step.ttfts.append(now - self.arrival_time)
+            step.num_prompt_tokens += self.num_prompt_tokens
+            self.first_token_time = now
+        else:
+            step.itls.append(now - self.last_token_time)
+        self.last_token_time = now
+        self.output_token_ids += out.new_token_ids
+        if out.new_logprobs is not None and self.logprobs is not None:
+            self.logprobs += out.new_logprobs
+            self.cumulative_logprob += sum(next(iter(e.values())) for e in out.new_logprobs)
+        self.scheduled_time = out.scheduled_time
+        self.num_cached_tokens = out.num_cached_tokens
+        self.num_preemptions = out.num_preemptions
+
+    def finish(self, reason: str, stop_reason: int | str | None, now: float, step: StepRecord) -> None:
+        self.finish_reason, self.stop_reason, self.finished_time = reason, stop_reason, now
+        step.finished.append(
+            FinishedRequestStats(
+                finish_reason=reason,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_generation_tokens=len(self.output_token_ids),
+                arrival_time=self.arrival_time,
+                scheduled_time=self.scheduled_time,
+                first_token_time=self.first_token_time,
+                finished_time=now,
+                num_preemptions=self.num_preemptions,
+            )
+        )
+
+
+@dataclass
+class StepRecord:
+    """The latencies and finishes one step's outputs marked, for the stat loggers."""
+
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # prompt lengths of the sequences that produced their first token
+    finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
 @dataclass
@@ -35,33 +108,26 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     stream: bool
-    seqs: list[Request]
+    seqs: list[SeqState]
     detoks: list[IncrementalDetokenizer]
-    # Streaming: token ids not yet handed out, per sequence.
+    # Streaming: token ids not yet handed out, and logprob entries handed out, per sequence.
     pending_ids: list[list[int]]
-    # Per sequence: the sum of its sampled tokens' logprobs so far, and how many logprob entries have
-    # been handed out (streaming).
-    cumulative_logprobs: list[float]
     num_logprobs_sent: list[int]
     num_finished: int = 0
-
-    @property
-    def req_ids(self) -> list[str]:
-        """The scheduler ids of its sequences."""
-        return [s.req_id for s in self.seqs]
 
 
 @dataclass
 class ProcessedUpdates:
-    """What ``process`` made of one step's updates, for the engine to apply and then ``make_outputs``."""
+    """What ``process`` made of one step's outputs, for the engine to apply and then ``make_outputs``."""
 
-    # Sequences whose text reached a stop string: req_id -> the stop string (finish them as stopped).
-    stop_strings: dict[str, str] = field(default_factory=dict)
+    # Sequences whose text reached a stop string (already finished here): the scheduler must finish them.
+    stop_ids: list[str] = field(default_factory=list)
     # Scheduler actions for the beam searches, in the order they must be applied.
     beam_intents: list[BeamIntent] = field(default_factory=list)
     # Requests with news this step, and beam searches that ended.
     touched: list[RequestState] = field(default_factory=list)
     finished_beams: list[BeamSearchGroup] = field(default_factory=list)
+    record: StepRecord = field(default_factory=StepRecord)
 
 
 class OutputProcessor:
@@ -70,6 +136,8 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, RequestState | BeamSearchGroup] = {}
+        # Every unfinished sequence's id -> its request (or beam search) and its state.
+        self._seqs: dict[str, tuple[RequestState | BeamSearchGroup, SeqState, int]] = {}
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._states
@@ -84,11 +152,13 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        seqs: list[Request],
+        seq_ids: list[str],
+        arrival_time: float,
         stream: bool,
     ) -> None:
-        """Track a request whose ``seqs`` the scheduler has queued (``params`` are the user's)."""
+        """Track a request whose sequences ``seq_ids`` the scheduler has queued (``params``: the user's)."""
         stops = StopStrings(params.stop_strings)  # one index for all n sequences
+        n = len(seq_ids)
         detoks = [
             IncrementalDetokenizer(
                 self.tokenizer,
@@ -97,61 +167,93 @@ class OutputProcessor:
                 stops,
                 params.include_stop_str_in_output,
             )
-            for _ in seqs
+            for _ in seq_ids
         ]
-        n = len(seqs)
-        self._states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, stream, seqs, detoks, [[] for _ in seqs], [0.0] * n, [0] * n
+        wants = params.logprobs is not None
+        seqs = [SeqState(i, len(prompt_token_ids), arrival_time, wants) for i in seq_ids]
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, stream, seqs, detoks, [[] for _ in seqs], [0] * n
         )
+        self._states[request_id] = state
+        for i, seq in enumerate(seqs):
+            self._seqs[seq.req_id] = (state, seq, i)
 
-    def add_beam_search(self, group: BeamSearchGroup) -> None:
+    def add_beam_search(self, group: BeamSearchGroup, arrival_time: float) -> None:
         """Track a beam search whose first beam the scheduler has queued."""
         self._states[group.request_id] = group
+        self._track_beam(group, group.beam_ids[0], arrival_time)
+
+    def _track_beam(
+        self, group: BeamSearchGroup, req_id: str, arrival_time: float, tokens: tuple[int, ...] = ()
+    ) -> None:
+        """A beam's state; a forked one starts with the tokens it inherits."""
+        seq = SeqState(req_id, len(group.prompt_token_ids), arrival_time, True, list(tokens))
+        self._seqs[req_id] = (group, seq, 0)
 
     def abort(self, request_id: str) -> list[str]:
-        """Forget ``request_id``; return the scheduler ids of its unfinished sequences ([] if unknown)."""
+        """Forget ``request_id``; return the ids of its unfinished sequences ([] if unknown)."""
         state = self._states.pop(request_id, None)
-        return [] if state is None else state.req_ids
+        if state is None:
+            return []
+        ids = [s.req_id for s in state.seqs] if isinstance(state, RequestState) else list(state.beam_ids)
+        unfinished = [i for i in ids if i in self._seqs]
+        for i in unfinished:
+            del self._seqs[i]
+        return unfinished
 
     # ------------------------------------------------------------------ one step
-    def process(self, updates: list[RequestUpdate]) -> ProcessedUpdates:
+    def process(self, outputs: list[CoreOutput], now: float) -> ProcessedUpdates:
         """Detokenize the new tokens, look for stop strings and advance the beam searches that every
-        beam has reported to."""
+        beam has reported to. ``now``: the step's time (monotonic seconds) for the latencies."""
         result = ProcessedUpdates()
+        step = result.record
         touched: dict[str, RequestState] = {}
         ready: dict[str, BeamSearchGroup] = {}
-        for upd in updates:
-            req = upd.request
-            state = self._states.get(req.client_request_id)
-            if state is None:
+        for out in outputs:
+            entry = self._seqs.get(out.req_id)
+            if entry is None:
                 continue  # aborted while the step ran
+            state, seq, i = entry
+            seq.record(out, now, step)
+            if out.finish_reason is not None:
+                seq.finish(out.finish_reason, out.stop_reason, now, step)
+                del self._seqs[out.req_id]
             if isinstance(state, BeamSearchGroup):
-                result.beam_intents.append(Pause(req.req_id))
-                if state.on_sampled(req):
+                result.beam_intents.append(Pause(out.req_id))
+                if state.on_sampled(out.req_id, out.new_logprobs[-1]):
                     ready[state.request_id] = state
                 continue
-            i = state.seqs.index(req)
             detok = state.detoks[i]
-            detok.add_token(upd.new_token_id)
+            for token in out.new_token_ids:
+                detok.add_token(token)
             if state.stream:
-                state.pending_ids[i].append(upd.new_token_id)
-            if req.logprobs:
-                state.cumulative_logprobs[i] += next(iter(req.logprobs[-1].values()))
-            if detok.stop_string is not None and not upd.finished:
-                result.stop_strings[req.req_id] = detok.stop_string
-            if upd.finished or req.req_id in result.stop_strings:
+                state.pending_ids[i] += out.new_token_ids
+            if detok.stop_string is not None and not seq.is_finished:
+                seq.finish("stop", detok.stop_string, now, step)
+                del self._seqs[out.req_id]
+                result.stop_ids.append(out.req_id)
+            if seq.is_finished:
                 state.num_finished += 1
             touched[state.request_id] = state
         result.touched = list(touched.values())
         for group in ready.values():
-            result.beam_intents += group.advance()
+            intents = group.advance()
+            for intent in intents:
+                match intent:
+                    case Fork(_, child):
+                        self._track_beam(group, child.req_id, child.arrival_time, child.output_token_ids)
+                    case Finish(req_id, status):
+                        entry = self._seqs.pop(req_id, None)
+                        if entry is not None:
+                            entry[1].finish(status.value, None, now, step)
+            result.beam_intents += intents
             if group.state.done:
                 result.finished_beams.append(group)
         return result
 
     def make_outputs(self, processed: ProcessedUpdates) -> list[RequestOutput]:
-        """The outputs of the step ``processed`` describes (after the engine applied it): finished
-        requests, and streaming requests with news. Finished requests are forgotten."""
+        """The outputs of the step ``processed`` describes: finished requests, and streaming requests
+        with news. Finished requests are forgotten."""
         outputs = []
         for state in processed.touched:
             finished = state.num_finished == len(state.seqs)
@@ -186,7 +288,7 @@ class OutputProcessor:
                     index=i,
                     text=text,
                     token_ids=token_ids,
-                    cumulative_logprob=state.cumulative_logprobs[i] if logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob if logprobs is not None else None,
                     logprobs=logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,

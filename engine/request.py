@@ -1,5 +1,5 @@
-"""Request state: written by the scheduler, read by the model runner's inputs and the output processor
-(torch-free).
+"""Request state: the scheduler's own, written by it alone and read by the model runner's inputs
+(torch-free). What leaves the core about a request is a ``CoreOutput`` of values.
 
 A request is "prefill and decode as one thing": its tokens are the prompt then the generated ones, and
 ``num_computed_tokens``, how many of them already have KV in the cache. Each step the scheduler
@@ -73,19 +73,11 @@ class Request:
     is_paused: bool = False
     # Tokens of the prompt whose KV came from the prefix cache at admission.
     num_cached_tokens: int = 0
-    stop_reason: int | str | None = None
-    # logprobs[i] = {token_id: logprob} for output token i (sampled token first), when requested.
-    logprobs: list[dict[int, float]] | None = None
-    # Timing for metrics (monotonic seconds).
+    # When the scheduler first ran it (monotonic seconds), for the queue-time metrics.
     scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
 
     def __post_init__(self) -> None:
         self.client_request_id = self.client_request_id or self.req_id
-        if self.sampling_params.logprobs is not None:
-            self.logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -34,7 +34,7 @@ from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.request import Request, RequestStatus, check_stop, output_cap
 from kvpilot.engine.request_queue import RequestQueue
-from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.scheduler_output import CoreOutput, ScheduledRequest, SchedulerConfig, SchedulerOutput
 from kvpilot.engine.stats import SchedulerStats
 
 
@@ -88,19 +88,15 @@ class Scheduler:
         """Stop these requests now and free their blocks. Unknown or finished ids are ignored."""
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(
-        self, req_ids: Iterable[str], status: RequestStatus, stop_reason: str | None = None
-    ) -> list[Request]:
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (abort, a stop string matched by the detokenizer, the
-        end of a beam search) and free their blocks. ``stop_reason`` (the stop string) is recorded on
-        each when given. Unknown or finished ids are ignored; returns the requests finished."""
+        end of a beam search) and free their blocks. Unknown or finished ids are ignored; returns the
+        requests finished."""
         done = []
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
             if req is None:
                 continue
-            if stop_reason is not None:
-                req.stop_reason = stop_reason
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif req.status == RequestStatus.SWAPPED:
@@ -116,7 +112,6 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        req.finished_time = time.monotonic()
         self.block_manager.free(req)
         if req.pending_forks:
             # The parent ends before sharing its prompt: its siblings go on by themselves.
@@ -357,17 +352,17 @@ class Scheduler:
 
     def update_from_output(
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[RequestUpdate]:
-        """Advance every scheduled request by the step ``output`` described; append the tokens (and
-        logprobs) ``runner_output`` sampled; finish those that stop. The only writer of this state.
+    ) -> list[CoreOutput]:
+        """Advance every scheduled request by the step ``output`` described; append the tokens
+        ``runner_output`` sampled; finish those that stop. The only writer of this state.
 
         ``runner_output`` holds a token for every scheduled request with ``do_sample``. Requests
-        aborted while the step ran are skipped. Returns one update per token appended.
+        aborted while the step ran are skipped. Returns one ``CoreOutput`` (values only) per token
+        appended.
         """
         sampled = dict(zip(runner_output.req_ids, runner_output.token_ids, strict=True))
         logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
-        updates = []
-        now = time.monotonic()
+        outputs = []
         for item in output.scheduled:
             req = self.requests.get(item.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -381,20 +376,24 @@ class Scheduler:
             token = sampled[item.req_id]
             req.append_output_token(token)
             entry = logprobs[item.req_id]
-            if entry is not None:
-                req.logprobs.append(entry)
-            prev_token_time = req.last_token_time
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
             status, stop_reason = check_stop(req, token)
             if status is not None:
-                req.stop_reason = stop_reason
                 del self.requests[req.req_id]
                 self.running.remove(req)
                 self._finish(req, status)
-            updates.append(RequestUpdate(req, token, status is not None, prev_token_time))
-        return updates
+            outputs.append(
+                CoreOutput(
+                    req.req_id,
+                    [token],
+                    None if entry is None else [entry],
+                    finish_reason=None if status is None else status.value,
+                    stop_reason=stop_reason,
+                    scheduled_time=req.scheduled_time,
+                    num_cached_tokens=req.num_cached_tokens,
+                    num_preemptions=req.num_preemptions,
+                )
+            )
+        return outputs
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager

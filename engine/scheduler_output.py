@@ -1,12 +1,11 @@
 """The scheduler's contracts with the rest of the engine (torch-free): the knobs it obeys
 (``SchedulerConfig``), what runs in one step (``SchedulerOutput``, read by the model runner) and what the
-step did to each request (``RequestUpdate``, read by the output processor and the stats)."""
+step did to each sequence (``CoreOutput``, values read by the output processor)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.engine.request import Request
 from kvpilot.engine.sampling_params import SamplingParams
 
 
@@ -58,12 +57,19 @@ class SchedulerOutput:
         return not self.scheduled and not self.has_block_ops
 
 
-@dataclass
-class RequestUpdate:
-    """What one step did to one request: the token it sampled, and whether it finished."""
+@dataclass(frozen=True, slots=True)
+class CoreOutput:
+    """What one step did to one sequence, as values only (picklable, sharing nothing with the
+    scheduler's state): the token it sampled, its logprobs, and whether it finished and why.
 
-    request: Request
-    new_token_id: int | None
-    finished: bool
-    # When the request's previous token was sampled (None: this is its first), for inter-token latency.
-    prev_token_time: float | None = None
+    The metric fields are events the core alone sees: when it first scheduled the sequence, how many
+    prompt tokens came from the prefix cache, how often it was preempted."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None  # aligned with new_token_ids; None unless requested
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+    stop_reason: int | None = None  # the stop token id that ended it
+    scheduled_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvpilot.engine.live_config import LiveConfig
+    from kvpilot.engine.output_processor import StepRecord
     from kvpilot.engine.outputs import ModelRunnerOutput
-    from kvpilot.engine.scheduler_output import RequestUpdate, SchedulerOutput
+    from kvpilot.engine.scheduler_output import SchedulerOutput
 
 
 @dataclass
@@ -77,14 +78,14 @@ class IterationStats:
 def make_iteration_stats(
     sched_out: SchedulerOutput,
     runner_out: ModelRunnerOutput,
-    updates: list[RequestUpdate],
+    record: StepRecord,
     num_preemptions: int,
     schedule_s: float,
     update_s: float,
 ) -> IterationStats:
     """What one step did: token counts from ``sched_out`` and ``runner_out``, latencies and finished
-    requests from ``updates`` (taken after the step's outputs were processed), the runner's phase times
-    and the core's own (``schedule_s``; ``update_s``: update, detokenization, outputs)."""
+    sequences from the output processor's ``record`` of the step, the runner's phase times and the
+    core's own (``schedule_s``; ``update_s``: update, detokenization, outputs)."""
     num_decode_tokens = sum(
         1
         for item in sched_out.scheduled
@@ -94,7 +95,7 @@ def make_iteration_stats(
         num_batched_tokens=sched_out.num_batched_tokens,
         # Decode tokens are single tokens past the prompt; everything else is (re)prefill.
         num_prefill_tokens=sched_out.num_batched_tokens - num_decode_tokens,
-        num_prompt_tokens=sum(u.request.num_prompt_tokens for u in updates if u.prev_token_time is None),
+        num_prompt_tokens=record.num_prompt_tokens,
         num_generation_tokens=len(runner_out.req_ids),
         num_running_seqs=len(sched_out.scheduled),
         num_preemptions=num_preemptions,
@@ -104,25 +105,9 @@ def make_iteration_stats(
         sample_s=runner_out.sample_s,
         update_s=update_s,
     )
-    for upd in updates:
-        req = upd.request
-        if upd.prev_token_time is None:
-            stats.time_to_first_tokens.append(req.first_token_time - req.arrival_time)
-        else:
-            stats.inter_token_latencies.append(req.last_token_time - upd.prev_token_time)
-        if req.is_finished:
-            stats.finished.append(
-                FinishedRequestStats(
-                    finish_reason=req.finish_reason,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_generation_tokens=req.num_output_tokens,
-                    arrival_time=req.arrival_time,
-                    scheduled_time=req.scheduled_time,
-                    first_token_time=req.first_token_time,
-                    finished_time=req.finished_time,
-                    num_preemptions=req.num_preemptions,
-                )
-            )
+    stats.time_to_first_tokens += record.ttfts
+    stats.inter_token_latencies += record.itls
+    stats.finished += record.finished
     return stats
 
 

@@ -204,8 +204,11 @@ def check_blocks(sched: Scheduler, scheduled: dict[str, int] | None = None) -> N
         assert len(bm.block_tables[req.req_id]) == -(-num_tokens // bm.block_size)
 
 
-def run_to_completion(sched: Scheduler, model: FakeModel | None = None, max_steps: int = 10_000) -> int:
-    """Step until nothing is left, checking invariants; returns the number of steps."""
+def run_to_completion(
+    sched: Scheduler, model: FakeModel | None = None, max_steps: int = 10_000, outputs: list | None = None
+) -> int:
+    """Step until nothing is left, checking invariants; returns the number of steps. ``outputs``, when
+    given, collects every ``CoreOutput``."""
     model = model or FakeModel(sched.block_manager.block_size)
     for step in range(max_steps):
         if not sched.requests:
@@ -214,6 +217,8 @@ def run_to_completion(sched: Scheduler, model: FakeModel | None = None, max_step
         out = sched.schedule()
         check_step(sched, out, before)
         sampled = model.execute(sched, out)
-        sched.update_from_output(out, sampled)
+        core_outputs = sched.update_from_output(out, sampled)
+        if outputs is not None:
+            outputs += core_outputs
         check_blocks(sched)
     raise AssertionError(f"requests still unfinished after {max_steps} steps")

@@ -113,37 +113,31 @@ def test_state_rejects_bad_params():
     assert [h.token_ids for h in state.results()] == [[7], [8]]
 
 
-def _report(beam: Request, token: int, top: dict[int, float]) -> None:
-    """What a step does to a beam: it samples ``token`` and reports its ``top`` candidates."""
-    beam.append_output_token(token)
-    beam.logprobs.append(top)
-
-
 def test_group_returns_intents_instead_of_driving_the_scheduler():
     state = BeamSearchState(BeamSearchParams(2, 4, ignore_eos=True), eos_token_id=None)
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=state.num_candidates, ignore_eos=True)
     first = Request("g#b0", [1, 2, 3], params, client_request_id="g")
     group = BeamSearchGroup("g", None, state, first)
-    _report(first, 7, {7: -0.1, 8: -0.2, 9: -3.0, 10: -4.0})
-    assert group.on_sampled(first)
+    # Each beam reports its candidates, the token it sampled first (a core output's new logprobs).
+    assert group.on_sampled("g#b0", {7: -0.1, 8: -0.2, 9: -3.0, 10: -4.0})
     # 7 continues in the beam that already holds it; 8 forks from it.
     fork, resume = group.advance()
     assert isinstance(fork, Fork) and fork.parent_req_id == "g#b0"
     child = fork.child
     assert (child.req_id, child.client_request_id, child.output_token_ids) == ("g#b1", "g", [8])
-    assert child.all_token_ids == [1, 2, 3, 8] and child.logprobs == []
-    assert resume == Resume("g#b0") and group.req_ids == ["g#b0", "g#b1"]
-    assert first.output_token_ids == [7], "the group never writes a beam"
+    assert child.all_token_ids == [1, 2, 3, 8] and child.prompt_token_ids is first.prompt_token_ids
+    assert resume == Resume("g#b0") and group.beam_ids == ["g#b0", "g#b1"]
+    assert first.output_token_ids == [], "the group never writes a beam"
+    assert not any(isinstance(v, Request) for v in vars(group).values()), "it holds ids, not requests"
     # Both winners of the next round come from the first beam: fork first, then free the loser.
-    _report(first, 11, {11: -0.1, 12: -0.2, 13: -3.0, 14: -4.0})
-    assert not group.on_sampled(first)
-    _report(child, 15, {15: -5.0, 16: -6.0, 17: -7.0, 18: -8.0})
-    assert group.on_sampled(child)
+    assert not group.on_sampled("g#b0", {11: -0.1, 12: -0.2, 13: -3.0, 14: -4.0})
+    assert group.on_sampled("g#b1", {15: -5.0, 16: -6.0, 17: -7.0, 18: -8.0})
     intents = group.advance()
     assert [type(i) for i in intents] == [Fork, Finish, Resume]
+    # The fork's tokens are the group's own record of beam 0 (7), then its candidate 12.
     assert (intents[0].parent_req_id, intents[0].child.output_token_ids) == ("g#b0", [7, 12])
     assert intents[1] == Finish("g#b1", RequestStatus.FINISHED_ABORTED)
-    assert intents[2] == Resume("g#b0") and group.req_ids == ["g#b0", "g#b2"]
+    assert intents[2] == Resume("g#b0") and group.beam_ids == ["g#b0", "g#b2"]
 
 
 def test_discarded_beams_are_freed_at_once(tiny_llama):
@@ -168,11 +162,12 @@ def test_discarded_beams_are_freed_at_once(tiny_llama):
             assert len(group.state.finished) <= width
             # A beam's own lists are its generated tokens: the prompt is one list, shared by all.
             shared = group.prompt_token_ids
-            assert all(b.prompt_token_ids is shared for b in group.beams)
-            long_lists = [v for b in group.beams for v in vars(b).values() if isinstance(v, list)]
+            beams = [engine.scheduler.requests[b] for b in group.beam_ids if b in engine.scheduler.requests]
+            assert all(b.prompt_token_ids is shared for b in beams)
+            long_lists = [v for b in beams for v in vars(b).values() if isinstance(v, list)]
             assert all(v is shared for v in long_lists if len(v) >= len(prompt))
-            del long_lists  # the next step's count must not see this step's beams through it
-            beam_ids = {b.req_id for b in group.beams} if engine.has_unfinished_requests() else set()
+            del long_lists, beams  # the next step's count must not see this step's beams through them
+            beam_ids = set(group.beam_ids) if engine.has_unfinished_requests() else set()
             held = {rid for rid in engine.block_manager.block_tables if rid.startswith("beam#")}
             assert held <= beam_ids
     finally:

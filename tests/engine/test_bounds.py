@@ -88,7 +88,7 @@ def test_siblings_share_one_copy_of_stops_and_prompt():
         assert all(v is token_ids for v in copies), s.req_id
     # One stop-string index for all eight detokenizers.
     op = OutputProcessor(CharTokenizer())
-    op.add_request("r", None, token_ids, params, seqs, stream=True)
+    op.add_request("r", None, token_ids, params, [s.req_id for s in seqs], 0.0, stream=True)
     assert len({id(d.stops) for d in op._states["r"].detoks}) == 1
 
 
@@ -241,7 +241,7 @@ def _run_long_behind_a_stream_of_short_ones(mode: str, num_steps: int = 2000) ->
             sched.add_request(make_request(16, req_id=f"short{step}", max_tokens=24, ignore_eos=True))
         out = sched.schedule()
         for upd in sched.update_from_output(out, model.execute(sched, out)):
-            num_newer_done += upd.finished and upd.request.req_id.startswith("short")
+            num_newer_done += upd.finish_reason is not None and upd.req_id.startswith("short")
         check_blocks(sched)
         if long.is_finished:
             return step, num_newer_done

@@ -335,23 +335,34 @@ def test_prefix_cache_counts_each_admission_once():
 
 # ---------------------------------------------------------------------- stopping
 def run_scripted(script: dict[str, list[int]], **params):
+    """Run the scripted requests to the end; returns them and, per request id, the stop reason its
+    last core output carried."""
     sched = make_scheduler()
     reqs = [make_request(3, req_id=rid, **params) for rid in script]
     for r in reqs:
         sched.add_request(r)
-    run_to_completion(sched, FakeModel(4, token_fn=scripted(script)))
+    outputs = []
+    run_to_completion(sched, FakeModel(4, token_fn=scripted(script)), outputs=outputs)
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
-    return reqs
+    last = {o.req_id: o for o in outputs}
+    for r in reqs:  # the output that finished a request says why, as the request's own status does
+        assert last[r.req_id].finish_reason == r.finish_reason
+        assert [o.new_token_ids[0] for o in outputs if o.req_id == r.req_id] == r.output_token_ids
+    return reqs, {rid: o.stop_reason for rid, o in last.items()}
 
 
 def test_stops_on_eos():
-    (req,) = run_scripted({"a": [5, 6, EOS, 7]}, max_tokens=10)
+    (req,), stop_reasons = run_scripted({"a": [5, 6, EOS, 7]}, max_tokens=10)
     assert req.output_token_ids == [5, 6, EOS]
-    assert (req.status, req.finish_reason, req.stop_reason) == (RequestStatus.FINISHED_STOPPED, "stop", None)
+    assert (req.status, req.finish_reason, stop_reasons["a"]) == (
+        RequestStatus.FINISHED_STOPPED,
+        "stop",
+        None,
+    )
 
 
 def test_ignore_eos_runs_to_max_tokens():
-    (req,) = run_scripted({"a": [5, EOS, EOS, 7, 8]}, max_tokens=4, ignore_eos=True)
+    (req,), _ = run_scripted({"a": [5, EOS, EOS, 7, 8]}, max_tokens=4, ignore_eos=True)
     assert req.output_token_ids == [5, EOS, EOS, 7]
     assert req.finish_reason == "length"
 
@@ -365,20 +376,20 @@ def test_no_eos_id_means_no_eos_stop():
 
 
 def test_stops_on_stop_token_ids():
-    (req,) = run_scripted({"a": [5, 6, 7, 8]}, max_tokens=10, stop_token_ids=[7, 30])
+    (req,), stop_reasons = run_scripted({"a": [5, 6, 7, 8]}, max_tokens=10, stop_token_ids=[7, 30])
     assert req.output_token_ids == [5, 6, 7]
-    assert (req.finish_reason, req.stop_reason) == ("stop", 7)
+    assert (req.finish_reason, stop_reasons["a"]) == ("stop", 7)
 
 
 def test_min_tokens_defers_eos_and_stop_tokens():
-    a, b, c = run_scripted(
+    (a, b, c), stop_reasons = run_scripted(
         {"a": [EOS, EOS, EOS, EOS], "b": [7, 5, 7, 7], "c": [EOS, 5, 6, 8, 9]},
         max_tokens=5,
         min_tokens=3,
         stop_token_ids=[7],
     )
     assert a.output_token_ids == [EOS, EOS, EOS] and a.finish_reason == "stop"
-    assert b.output_token_ids == [7, 5, 7] and b.stop_reason == 7
+    assert b.output_token_ids == [7, 5, 7] and stop_reasons["b"] == 7
     assert c.output_token_ids == [EOS, 5, 6, 8, 9] and c.finish_reason == "length"
 
 
@@ -388,11 +399,11 @@ def test_max_tokens_finishes_with_length_and_reports_updates():
     sched.add_request(req)
     model = FakeModel(4, token_fn=scripted({"a": [11, 12]}))
     _, ups = step(sched, model)
-    assert [(u.request.req_id, u.new_token_id, u.finished) for u in ups] == [("a", 11, False)]
-    assert req.first_token_time is not None and req.num_computed_tokens == 3
+    assert [(u.req_id, u.new_token_ids, u.finish_reason) for u in ups] == [("a", [11], None)]
+    assert req.scheduled_time is not None and req.num_computed_tokens == 3
     _, ups = step(sched, model)
-    assert [(u.request.req_id, u.new_token_id, u.finished) for u in ups] == [("a", 12, True)]
-    assert req.finish_reason == "length" and req.finished_time is not None
+    assert [(u.req_id, u.new_token_ids, u.finish_reason) for u in ups] == [("a", [12], "length")]
+    assert req.finish_reason == "length"
     assert not sched.requests and sched.running == []
 
 
@@ -412,16 +423,19 @@ def test_update_appends_the_runner_output_tokens_and_logprobs():
     out = sched.schedule()
     runner_out = ModelRunnerOutput(["b", "a"], [7, 5], [None, {5: -0.5, 6: -1.5}])
     ups = sched.update_from_output(out, runner_out)
-    assert [(u.request.req_id, u.new_token_id, u.prev_token_time) for u in ups] == [
-        ("a", 5, None),
-        ("b", 7, None),
+    assert [(u.req_id, u.new_token_ids, u.new_logprobs) for u in ups] == [
+        ("a", [5], [{5: -0.5, 6: -1.5}]),
+        ("b", [7], None),
     ]
-    assert (a.output_token_ids, a.logprobs) == ([5], [{5: -0.5, 6: -1.5}])
-    assert (b.output_token_ids, b.logprobs) == ([7], None)
-    first = a.last_token_time
+    assert (a.output_token_ids, b.output_token_ids) == ([5], [7])
     ups = sched.update_from_output(sched.schedule(), ModelRunnerOutput(["a", "b"], [6, 8], [{6: -0.1}, None]))
-    assert ups[0].request is a and ups[0].prev_token_time == first
-    assert (a.output_token_ids, a.logprobs[-1], b.output_token_ids) == ([5, 6], {6: -0.1}, [7, 8])
+    assert [(u.req_id, u.new_token_ids, u.new_logprobs) for u in ups] == [
+        ("a", [6], [{6: -0.1}]),
+        ("b", [8], None),
+    ]
+    assert (a.output_token_ids, b.output_token_ids) == ([5, 6], [7, 8])
+    # Values only: an output shares no list with the scheduler's request.
+    assert ups[0].new_token_ids is not a.output_token_ids
 
 
 # ---------------------------------------------------------------------- abort and finish
@@ -450,7 +464,7 @@ def test_abort_while_the_step_runs_drops_its_result():
     sampled = FakeModel(4).execute(sched, out)
     sched.abort_requests(["a"])
     ups = sched.update_from_output(out, sampled)
-    assert [u.request.req_id for u in ups] == ["b"]
+    assert [u.req_id for u in ups] == ["b"]
     assert a.output_token_ids == [] and a.num_computed_tokens == 0
     check_blocks(sched)
 
@@ -608,8 +622,8 @@ def drive(
         first_seen += [i.req_id for i in out.scheduled if i.req_id not in first_seen]
         sampled = model.execute(sched, out)
         for upd in sched.update_from_output(out, sampled):
-            if upd.finished:
-                finished_at[upd.request.req_id] = now
+            if upd.finish_reason is not None:
+                finished_at[upd.req_id] = now
         check_blocks(sched)
         stats = sched.stats()
         # Waiting counts sequences: the siblings waiting to fork from a parent too.
