@@ -30,28 +30,19 @@ from kvpilot.engine.stats import FinishedRequestStats
 
 @dataclass
 class SeqState:
-    """One sequence as the output processor knows it: what the core reported about it, accumulated."""
+    """One sequence as the output processor knows it: what the core reported about it, accumulated.
+    ``metrics`` holds its timestamps and the core's counts (the same record a ``RequestOutput`` carries);
+    ``logprobs`` is None unless they were asked for."""
 
     req_id: str
     num_prompt_tokens: int
-    arrival_time: float
-    wants_logprobs: bool
-    output_token_ids: list[int] = field(default_factory=list)
+    metrics: RequestMetrics
     # logprobs[i] = {token_id: logprob} for output token i (sampled token first), when requested.
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, float]] | None
+    output_token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.wants_logprobs and self.logprobs is None:
-            self.logprobs = []
 
     @property
     def is_finished(self) -> bool:
@@ -59,33 +50,37 @@ class SeqState:
 
     def record(self, out: CoreOutput, now: float, step: StepRecord) -> None:
         """Take in one core output: tokens, logprobs, the core's events, and the latency it marks."""
-        if self.first_token_time is None:
-            step.ttfts.append(now - self.arrival_time)
+        m = self.metrics
+        if m.first_token_time is None:
+            step.ttfts.append(now - m.arrival_time)
             step.num_prompt_tokens += self.num_prompt_tokens
-            self.first_token_time = now
+            m.first_token_time = now
         else:
-            step.itls.append(now - self.last_token_time)
-        self.last_token_time = now
+            step.itls.append(now - m.last_token_time)
+        m.last_token_time = now
+        m.scheduled_time, m.num_cached_tokens, m.num_preemptions = (
+            out.scheduled_time,
+            out.num_cached_tokens,
+            out.num_preemptions,
+        )
         self.output_token_ids += out.new_token_ids
         if out.new_logprobs is not None and self.logprobs is not None:
             self.logprobs += out.new_logprobs
             self.cumulative_logprob += sum(next(iter(e.values())) for e in out.new_logprobs)
-        self.scheduled_time = out.scheduled_time
-        self.num_cached_tokens = out.num_cached_tokens
-        self.num_preemptions = out.num_preemptions
 
     def finish(self, reason: str, stop_reason: int | str | None, now: float, step: StepRecord) -> None:
-        self.finish_reason, self.stop_reason, self.finished_time = reason, stop_reason, now
+        m = self.metrics
+        self.finish_reason, self.stop_reason, m.finished_time = reason, stop_reason, now
         step.finished.append(
             FinishedRequestStats(
                 finish_reason=reason,
                 num_prompt_tokens=self.num_prompt_tokens,
                 num_generation_tokens=len(self.output_token_ids),
-                arrival_time=self.arrival_time,
-                scheduled_time=self.scheduled_time,
-                first_token_time=self.first_token_time,
+                arrival_time=m.arrival_time,
+                scheduled_time=m.scheduled_time,
+                first_token_time=m.first_token_time,
                 finished_time=now,
-                num_preemptions=self.num_preemptions,
+                num_preemptions=m.num_preemptions,
             )
         )
 
@@ -170,7 +165,10 @@ class OutputProcessor:
             for _ in seq_ids
         ]
         wants = params.logprobs is not None
-        seqs = [SeqState(i, len(prompt_token_ids), arrival_time, wants) for i in seq_ids]
+        seqs = [
+            SeqState(i, len(prompt_token_ids), RequestMetrics(arrival_time), [] if wants else None)
+            for i in seq_ids
+        ]
         state = RequestState(
             request_id, prompt, prompt_token_ids, stream, seqs, detoks, [[] for _ in seqs], [0] * n
         )
@@ -187,7 +185,7 @@ class OutputProcessor:
         self, group: BeamSearchGroup, req_id: str, arrival_time: float, tokens: tuple[int, ...] = ()
     ) -> None:
         """A beam's state; a forked one starts with the tokens it inherits."""
-        seq = SeqState(req_id, len(group.prompt_token_ids), arrival_time, True, list(tokens))
+        seq = SeqState(req_id, len(group.prompt_token_ids), RequestMetrics(arrival_time), [], list(tokens))
         self._seqs[req_id] = (group, seq, 0)
 
     def abort(self, request_id: str) -> list[str]:
@@ -294,15 +292,15 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
-        first = state.seqs[0]
-        seqs = state.seqs
+        first = state.seqs[0].metrics
+        each = [s.metrics for s in state.seqs]
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             scheduled_time=first.scheduled_time,
-            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-            last_token_time=max((s.last_token_time for s in seqs if s.last_token_time), default=None),
-            finished_time=max((s.finished_time for s in seqs if s.finished_time), default=None),
-            num_preemptions=sum(s.num_preemptions for s in seqs),
+            first_token_time=min((m.first_token_time for m in each if m.first_token_time), default=None),
+            last_token_time=max((m.last_token_time for m in each if m.last_token_time), default=None),
+            finished_time=max((m.finished_time for m in each if m.finished_time), default=None),
+            num_preemptions=sum(m.num_preemptions for m in each),
             num_cached_tokens=first.num_cached_tokens,
         )
         return RequestOutput(
