@@ -80,6 +80,29 @@ def run_layout(model: str, tp: int, pp: int, threads: int, work, args) -> dict:
             [params(w) for w in warm],
             use_tqdm=False,
         )
+        engine = llm.llm_engine
+        executor = engine.executor
+        timing = {"step_s": 0.0, "execute_s": 0.0, "prepare_s": 0.0}
+        step, execute = engine.step, executor.execute
+
+        def timed_step():
+            t = time.perf_counter()
+            try:
+                return step()
+            finally:
+                timing["step_s"] += time.perf_counter() - t
+
+        def timed_execute(sched_out):
+            t = time.perf_counter()
+            out = execute(sched_out)
+            timing["execute_s"] += time.perf_counter() - t
+            timing["prepare_s"] += out.prepare_s
+            return out
+
+        engine.step, executor.execute = timed_step, timed_execute
+        steps_before = engine.num_steps
+        bytes_before = getattr(executor, "step_bytes_sent", 0)
+        messages_before = getattr(executor, "num_step_messages", 0)
         t0 = time.perf_counter()
         outs = llm.generate(
             [{"prompt_token_ids": w.prompt_token_ids} for w in work],
@@ -88,6 +111,9 @@ def run_layout(model: str, tp: int, pp: int, threads: int, work, args) -> dict:
         )
         elapsed = time.perf_counter() - t0
         steps = llm.llm_engine.num_steps
+        timed_steps = max(1, steps - steps_before)
+        step_bytes = getattr(executor, "step_bytes_sent", 0) - bytes_before
+        step_messages = getattr(executor, "num_step_messages", 0) - messages_before
     finally:
         llm.shutdown()
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -100,6 +126,14 @@ def run_layout(model: str, tp: int, pp: int, threads: int, work, args) -> dict:
         "init_s": init_s,
         "elapsed_s": elapsed,
         "steps": steps,
+        # Step messages to the worker ranks (0 on one rank): bytes per broadcast, all workers' copies.
+        "step_messages": step_messages,
+        "step_bytes_sent": step_bytes,
+        "bytes_per_step_message": step_bytes / step_messages if step_messages else 0.0,
+        # Python time per step on the driver: the core around execute (schedule, update, outputs), and
+        # the sampling rank's input preparation (flattening the step into tensors).
+        "core_ms_per_step": 1000 * (timing["step_s"] - timing["execute_s"]) / timed_steps,
+        "prepare_ms_per_step": 1000 * timing["prepare_s"] / timed_steps,
         "weight_bytes_per_rank": weights,
         "kv_bytes_per_block_per_rank": kv_bytes_per_block,
         "kv_blocks_in_budget": budget_blocks,
@@ -152,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'layout':>8s} {'thr/rank':>8s} {'cores':>5s} {'elapsed s':>10s} {'out tok/s':>10s} "
-        f"{'vs first':>8s} {'weights/rank MiB':>17s} {'KV blocks':>10s} {'same seqs':>10s}"
+        f"{'vs first':>8s} {'weights/rank MiB':>17s} {'KV blocks':>10s} {'same seqs':>10s} "
+        f"{'B/step':>8s} {'core ms':>8s} {'prep ms':>8s}"
     )
     for r in results:
         # Greedy sequences identical to the first layout's (bfloat16 sums in another order can flip
@@ -163,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['cores_used']:5d} {r['elapsed_s']:10.2f} {r['output_tok_per_s']:10.1f} "
             f"{r['output_tok_per_s'] / base['output_tok_per_s']:7.2f}x "
             f"{max(r['weight_bytes_per_rank']) / 2**20:17.1f} {r['kv_blocks_in_budget']:10,d} "
-            f"{f'{same}/{len(work)}':>10s}"
+            f"{f'{same}/{len(work)}':>10s} {r['bytes_per_step_message']:8.0f} "
+            f"{r['core_ms_per_step']:8.2f} {r['prepare_ms_per_step']:8.2f}"
         )
         r["same_sequences_as_first"] = same
     out = args.out or RESULTS / f"parallel-{Path(args.model).name}.json"

@@ -84,31 +84,43 @@ def fill(engine, args, vocab: int) -> None:
         engine.step()
 
 
-def timed_phases(engine, steps: int) -> dict[str, float]:
-    """Median per-step CPU ms of each phase of ``LLMEngine.step`` (same calls, timed one by one)."""
+def timed_phases(engine, steps: int) -> tuple[dict[str, float], float]:
+    """Median per-step CPU ms of each phase of ``LLMEngine.step`` (same calls, timed one by one), and
+    the median bytes of the step message a worker rank would be sent (the pickled ``SchedulerOutput``)."""
+    import pickle
+
+    from kvpilot.engine.request import RequestStatus
+
     phases = defaultdict(list)
+    message_bytes = []
     for _ in range(steps):
         c0 = time.process_time()
         w0 = time.perf_counter()
         sched_out = engine.scheduler.schedule()
         c1 = time.process_time()
+        p0 = time.perf_counter()  # the measurement is not part of any phase
+        message_bytes.append(len(pickle.dumps(("execute", sched_out), protocol=pickle.HIGHEST_PROTOCOL)))
+        pickle_wall = time.perf_counter() - p0
+        c1b = time.process_time()
         runner_out = engine.executor.execute(sched_out)
         c2 = time.process_time()
-        updates = engine.scheduler.update_from_output(sched_out, runner_out)
+        core_outputs = engine.scheduler.update_from_output(sched_out, runner_out)
         c3 = time.process_time()
-        engine._process_outputs(updates)
+        processed = engine.output_processor.process(core_outputs, time.monotonic())
+        engine.scheduler.finish_requests(processed.stop_ids, RequestStatus.FINISHED_STOPPED)
+        engine.output_processor.make_outputs(processed)
         c4 = time.process_time()
         w4 = time.perf_counter()
         phases["schedule"].append(c1 - c0)
         phases["prepare inputs"].append(runner_out.prepare_s)
         phases["forward"].append(runner_out.forward_s)
         phases["sample"].append(runner_out.sample_s)
-        phases["execute (all)"].append(c2 - c1)
+        phases["execute (all)"].append(c2 - c1b)
         phases["update_from_output"].append(c3 - c2)
         phases["output processing"].append(c4 - c3)
-        phases["step (cpu)"].append(c4 - c0)
-        phases["step (wall)"].append(w4 - w0)
-    return {k: 1000 * statistics.median(v) for k, v in phases.items()}
+        phases["step (cpu)"].append((c1 - c0) + (c4 - c1b))
+        phases["step (wall)"].append(w4 - w0 - pickle_wall)
+    return {k: 1000 * statistics.median(v) for k, v in phases.items()}, statistics.median(message_bytes)
 
 
 def label_attention(engine) -> None:
@@ -194,7 +206,7 @@ def main() -> None:
     engine = make_engine(args)
     fill(engine, args, vocab)
     running = len(engine.scheduler.running)
-    phases = timed_phases(engine, args.steps)
+    phases, message_bytes = timed_phases(engine, args.steps)
     label_attention(engine)
     cats = op_profile(engine, args.steps)
     tops = top_ops(engine, max(2, args.steps // 2), args.top)
@@ -202,6 +214,7 @@ def main() -> None:
     print("phases of a step (median ms, CPU time; prepare/forward/sample: wall inside execute)")
     for k, v in phases.items():
         print(f"  {k:28s} {v:8.2f}")
+    print(f"  {'step message to a rank (B)':28s} {message_bytes:8.0f}")
     print("op self time by category (ms per step, torch.profiler)")
     for k, v in sorted(cats.items(), key=lambda kv: -kv[1]):
         print(f"  {k:28s} {v:8.2f}")
@@ -218,6 +231,7 @@ def main() -> None:
                 "threads": args.threads,
                 "running": running,
                 "phases_ms": phases,
+                "step_message_bytes": message_bytes,
                 "categories_ms": cats,
                 "top_ops": tops,
             },

@@ -70,6 +70,10 @@ class MultiProcExecutor(Executor):
         self._lock = threading.Lock()
         self._conn_lock = threading.Lock()
         self._num_steps = 0
+        # Bytes of the step messages sent to the workers (every worker's copy counted): what a step
+        # costs on the pipes, read by benchmarks/parallel.py.
+        self.step_bytes_sent = 0
+        self.num_step_messages = 0
         self._saved_threads: int | None = None
         self.num_threads = torch.get_num_threads()
         if spec.device.type == "cpu":
@@ -250,10 +254,14 @@ class MultiProcExecutor(Executor):
         for w in self._workers:
             if w is self._sampler:
                 full = full or encode((command, sched_out))
-                w.conn.send_bytes(full)
+                payload = full
             else:
                 slim = slim or encode((command, _without_sampling_inputs(sched_out)))
-                w.conn.send_bytes(slim)
+                payload = slim
+            w.conn.send_bytes(payload)
+            self.step_bytes_sent += len(payload)
+        if self._workers:
+            self.num_step_messages += 1
 
     def _read(self, w: WorkerHandle) -> tuple | None:
         """One message of ``w`` (None at end of file). The pipe is read under a lock: the watchdog may
