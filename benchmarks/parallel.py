@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-gib", type=float, default=0.5, help="KV cache of the throughput runs (all ranks)"
     )
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--attention-backend", default="auto", help="auto | torch | triton | cpu")
     ap.add_argument("--pipeline-micro-batches", type=int, default=1, help="with pipeline stages")
     ap.add_argument("--cpu-memory-budget-gib", type=float, default=1.0, help="per-rank budget for KV sizing")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
