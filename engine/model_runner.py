@@ -31,6 +31,7 @@ from kvpilot.engine.memory import KVPoolPlan, cpu_activation_estimate, plan_kv_p
 from kvpilot.engine.models.layers import prepack_cpu_linears
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.outputs import ModelRunnerOutput
+from kvpilot.engine.runner_state import CachedRequests, CachedRequestState
 from kvpilot.engine.sampler import Sampler, SamplingRow
 from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
 from kvpilot.kernels.backend import AttentionBackend
@@ -120,19 +121,19 @@ class KVCache:
         )
 
 
-def split_micro_batches(items: list[ScheduledRequest], num: int) -> list[list[ScheduledRequest]]:
-    """``items`` in at most ``num`` contiguous, non-empty runs of about equal token counts (the order,
-    decodes first, is kept within each run)."""
+def split_micro_batches(items: list[ScheduledRequest], num: int) -> list[tuple[int, int]]:
+    """``items`` as at most ``num`` contiguous, non-empty ``(start, end)`` runs of about equal token
+    counts (the order, decodes first, is kept within each run)."""
     num = min(num, len(items))
     if num <= 1:
-        return [items]
-    ends = list(itertools.accumulate(len(item.token_ids) for item in items))
+        return [(0, len(items))]
+    ends = list(itertools.accumulate(item.num_tokens for item in items))
     bounds = [0]
     for k in range(1, num):
         cut = bisect_left(ends, k * ends[-1] / num) + 1  # the run ends after the item reaching k/num
         bounds.append(min(max(cut, bounds[-1] + 1), len(items) - (num - k)))
     bounds.append(len(items))
-    return [items[a:b] for a, b in itertools.pairwise(bounds)]
+    return list(itertools.pairwise(bounds))
 
 
 class ModelRunner:
@@ -161,6 +162,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.kv_cache: KVCache | None = None
+        # The requests this runner holds, kept from step to step (see ``runner_state``).
+        self.requests = CachedRequests()
         # bfloat16 on CPU: weights reordered once into oneDNN's layout (bit-identical results, about
         # 1.6x faster matmuls at decode batch sizes); the copies count as weights in KV sizing.
         self.packed_weight_bytes = prepack_cpu_linears(model) if device.type == "cpu" else 0
@@ -194,7 +197,14 @@ class ModelRunner:
         return self.kv_cache
 
     def apply_block_ops(self, out: SchedulerOutput) -> None:
+        """A step that runs nothing: forget the requests it names, then move its blocks."""
+        self.update_states(out)
+        self._block_ops(out)
+
+    def _block_ops(self, out: SchedulerOutput) -> None:
         """Swap out, copy on write, swap in -- in that order (see ``BlockManager``)."""
+        if not out.has_block_ops:
+            return
         kv = self.kv_cache
         if out.blocks_to_swap_out:
             mapping = torch.tensor(out.blocks_to_swap_out, dtype=torch.int64)
@@ -213,16 +223,21 @@ class ModelRunner:
             mapping = torch.tensor(out.blocks_to_swap_in, dtype=torch.int64)
             self.backend.swap_blocks(kv.blocks_view(on_cpu=True), kv.blocks_view(), mapping)
 
-    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
-        """Flatten the step into token ids, positions, slots and block tables."""
-        return self._flatten(out.scheduled)
+    def update_states(self, out: SchedulerOutput) -> list[CachedRequestState]:
+        """Apply the step's changes to the requests this runner holds (every step, once); returns the
+        scheduled requests' states."""
+        return self.requests.update(out)
 
-    def _flatten(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        """Apply the step's changes, then flatten it into token ids, positions, slots and block tables."""
+        return self._flatten(out.scheduled, self.update_states(out))
+
+    def _flatten(self, scheduled: list[ScheduledRequest], states: list[CachedRequestState]) -> ModelInputs:
         # Per request in Python, per token in torch: positions and slots come from index arithmetic
         # over the flattened batch, not from a Python loop over its tokens.
         bs = self.block_size
         num_reqs = len(scheduled)
-        counts = [len(item.token_ids) for item in scheduled]
+        counts = [item.num_tokens for item in scheduled]
         starts = [item.start_pos for item in scheduled]
         seq_lens = [start + n for start, n in zip(starts, counts, strict=True)]
         qsl = [0, *itertools.accumulate(counts)]
@@ -232,15 +247,25 @@ class ModelRunner:
         # Decodes come first: they are the leading run of one-token slices.
         num_decodes = next((i for i, n in enumerate(counts) if n != 1), num_reqs)
         flat_tables: list[int] = []
-        for item in scheduled:
-            row = item.block_table[:max_blocks]
+        for state in states:
+            row = state.block_ids[:max_blocks]
             flat_tables += row
             if len(row) < max_blocks:
                 flat_tables += [0] * (max_blocks - len(row))
         tables = torch.tensor(flat_tables, dtype=torch.int32).view(num_reqs, max_blocks)
-        input_ids = torch.tensor(
-            list(itertools.chain.from_iterable(item.token_ids for item in scheduled)), dtype=torch.int64
-        )
+        if num_tokens == num_reqs:  # decodes: each feeds its newest token
+            token_ids = [
+                state.token_slice(item.start_pos, item.start_pos + 1)[0]
+                for item, state in zip(scheduled, states, strict=True)
+            ]
+        else:
+            token_ids = list(
+                itertools.chain.from_iterable(
+                    state.token_slice(item.start_pos, item.start_pos + item.num_tokens)
+                    for item, state in zip(scheduled, states, strict=True)
+                )
+            )
+        input_ids = torch.tensor(token_ids, dtype=torch.int64)
         if num_tokens == num_reqs:  # one token per request
             positions = torch.tensor(starts, dtype=torch.int64)
             req_of_token = torch.arange(num_reqs)
@@ -276,20 +301,22 @@ class ModelRunner:
         """Block operations, one forward over the flattened batch (per micro-batch), then sample the
         requests that need it; None on a rank that does not sample."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
+        t0 = time.perf_counter()
+        states = self.update_states(out)
+        prepare_s = time.perf_counter() - t0
         if out.has_block_ops:
-            self.apply_block_ops(out)
+            self._block_ops(out)
         if not out.scheduled:
             return ModelRunnerOutput([], [], []) if self.sampler is not None else None
-        prepare_s = 0.0
-        t0 = time.perf_counter()
-        sampling: list[ScheduledRequest] = []
+        sampling: list[CachedRequestState] = []
         logits_parts: list[torch.Tensor] = []
-        for items in split_micro_batches(out.scheduled, self.num_micro_batches):
+        for a, b in split_micro_batches(out.scheduled, self.num_micro_batches):
             t = time.perf_counter()
-            inputs = self._flatten(items)
+            items = out.scheduled[a:b]
+            inputs = self._flatten(items, states[a:b])
             prepare_s += time.perf_counter() - t
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.metadata)
-            rows = [item for item in items if item.do_sample]
+            rows = [state for item, state in zip(items, states[a:b], strict=True) if item.do_sample]
             if rows:
                 # Collective on the last stage (the vocabulary-parallel head gathers to the sampling rank).
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
@@ -303,12 +330,12 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], prepare_s, t2 - t0 - prepare_s)
         logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts)
         rows = [
-            SamplingRow(item.sampling_params, item.prompt_token_ids, item.output_token_ids, item.eos_token_id)
-            for item in sampling
+            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id)
+            for s in sampling
         ]
         sampled = self.sampler(logits, rows)
         return ModelRunnerOutput(
-            [item.req_id for item in sampling],
+            [state.req_id for state in sampling],
             sampled.token_ids,
             sampled.logprobs,
             prepare_s=prepare_s,

@@ -34,7 +34,13 @@ from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.request import Request, RequestStatus, check_stop, output_cap
 from kvpilot.engine.request_queue import RequestQueue
-from kvpilot.engine.scheduler_output import CoreOutput, ScheduledRequest, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.scheduler_output import (
+    CoreOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from kvpilot.engine.stats import SchedulerStats
 
 
@@ -54,6 +60,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.num_swap_fallbacks = 0
+        # What the model runner holds: req_id -> how many output tokens it was sent. A request leaving
+        # it (finished, aborted, preempted, swapped out) is named in the next step's finished_req_ids.
+        self._runner_outputs: dict[str, int] = {}
+        self._runner_forget: list[str] = []
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: Request, siblings: list[Request] | None = None) -> None:
@@ -113,6 +123,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.block_manager.free(req)
+        self._leave_runner(req)
         if req.pending_forks:
             # The parent ends before sharing its prompt: its siblings go on by themselves.
             self.num_fork_pending -= len(req.pending_forks)
@@ -177,23 +188,14 @@ class Scheduler:
             if not blocked:
                 budget, _ = self._start_queued(self.waiting, budget, scheduled, self._allocate_waiting)
 
-        items = []
-        for req, num_new in scheduled.values():
-            start = req.num_computed_tokens
-            items.append(
-                ScheduledRequest(
-                    req_id=req.req_id,
-                    token_ids=req.token_slice(start, start + num_new),
-                    start_pos=start,
-                    block_table=bm.get_block_table(req.req_id),
-                    do_sample=start + num_new == req.num_tokens,
-                    sampling_params=req.sampling_params,
-                    output_token_ids=req.output_token_ids,
-                    prompt_token_ids=req.prompt_token_ids,
-                    eos_token_id=req.eos_token_id,
-                )
-            )
+        items = [self._runner_delta(req, num_new) for req, num_new in scheduled.values()]
+        num_decode_tokens = sum(
+            1
+            for req, num_new in scheduled.values()
+            if num_new == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+        )
         swap_out, swap_in = bm.take_pending_swaps()
+        forget, self._runner_forget = self._runner_forget, []
         return SchedulerOutput(
             scheduled=items,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
@@ -201,7 +203,44 @@ class Scheduler:
             blocks_to_copy=bm.take_pending_copies(),
             blocks_to_swap_in=swap_in,
             preempted_req_ids=preempted,
+            finished_req_ids=forget,
+            num_decode_tokens=num_decode_tokens,
         )
+
+    def _runner_delta(self, req: Request, num_new: int) -> ScheduledRequest:
+        """``req``'s slice of the step as a change to what the runner holds of it: everything when the
+        runner does not hold it; else its output tokens since the last send and its block table from the
+        block this step first writes into (the earlier ones are full and never change; that one may
+        have been replaced by a copy on write)."""
+        start = req.num_computed_tokens
+        table = self.block_manager.get_block_table(req.req_id)
+        sent = self._runner_outputs.get(req.req_id)
+        if sent is None:
+            new = NewRequestData(
+                req.prompt_token_ids, list(req.output_token_ids), req.sampling_params, req.eos_token_id
+            )
+            new_tokens: list[int] = []
+            cut = 0
+        else:
+            new = None
+            new_tokens = req.output_token_ids[sent:]
+            cut = start // self.block_manager.block_size
+        self._runner_outputs[req.req_id] = req.num_output_tokens
+        return ScheduledRequest(
+            req_id=req.req_id,
+            start_pos=start,
+            num_tokens=num_new,
+            do_sample=start + num_new == req.num_tokens,
+            new_token_ids=new_tokens,
+            block_ids_from=cut,
+            new_block_ids=table[cut:],
+            new=new,
+        )
+
+    def _leave_runner(self, req: Request) -> None:
+        """``req`` frees its blocks: the runner forgets it with the next step."""
+        if self._runner_outputs.pop(req.req_id, None) is not None:
+            self._runner_forget.append(req.req_id)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens ``req`` feeds this step: all it has not computed, within the budget -- and, while its
@@ -337,6 +376,7 @@ class Scheduler:
         self.running.remove(req)
         req.num_preemptions += 1
         self.num_preemptions_total += 1
+        self._leave_runner(req)
         bm = self.block_manager
         if self.config.preemption_mode == "swap":
             if bm.can_swap_out(req):
@@ -367,7 +407,7 @@ class Scheduler:
             req = self.requests.get(item.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += len(item.token_ids)
+            req.num_computed_tokens += item.num_tokens
             self.block_manager.cache_full_blocks(req)
             if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1:
                 self._fork_siblings(req)

@@ -1,6 +1,10 @@
 """The scheduler's contracts with the rest of the engine (torch-free): the knobs it obeys
 (``SchedulerConfig``), what runs in one step (``SchedulerOutput``, read by the model runner) and what the
-step did to each sequence (``CoreOutput``, values read by the output processor)."""
+step did to each sequence (``CoreOutput``, values read by the output processor).
+
+A step is sent as a change to the runner's state: a request's prompt, parameters and block table cross
+once (``NewRequestData``), and each later step carries only its new tokens and blocks and the ids to
+forget. Every rank of a parallel engine is sent every step, so each rank's copy stays the same."""
 
 from __future__ import annotations
 
@@ -20,19 +24,37 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """Everything the model runner keeps about a request, sent once: when the request is first scheduled,
+    and again after a preemption (recomputed or swapped out, it left the runner's state)."""
+
+    prompt_token_ids: list[int]  # shared with the scheduler's request, never written
+    output_token_ids: list[int]  # a copy: the tokens generated before a preemption, else []
+    sampling_params: SamplingParams | None  # None on a rank that does not sample
+    eos_token_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    """One request's slice of a step."""
+    """One request's slice of a step, as a change to what the runner already holds of it
+    (``runner_state.CachedRequests``): the tokens it feeds come from the runner's copy of the request's
+    tokens, its block table from the runner's copy of the table.
+
+    A decode step of a known request carries its newest output token and the id of the block it writes
+    into; nothing else of the request is sent again."""
 
     req_id: str
-    token_ids: list[int]  # tokens fed this step, at positions start_pos .. start_pos + len - 1
     start_pos: int  # == num_computed_tokens before the step
-    block_table: list[int]  # the request's physical blocks (shared list; read-only for the runner)
+    num_tokens: int  # tokens fed this step, at positions start_pos .. start_pos + num_tokens - 1
     do_sample: bool  # True when this slice reaches the end of the known tokens: sample the next one
-    sampling_params: SamplingParams
-    output_token_ids: list[int]  # generated so far (for penalties and seeds); read-only
-    prompt_token_ids: list[int]  # read-only
-    eos_token_id: int | None
+    # Output tokens generated since the runner last heard of the request (the previous step's sample).
+    new_token_ids: list[int]
+    # The runner's block table is cut at ``block_ids_from`` and ``new_block_ids`` appended: blocks
+    # before the one this step first writes into never change (a copy-on-write replaces that one).
+    block_ids_from: int
+    new_block_ids: list[int]
+    new: NewRequestData | None = None  # set when the runner does not hold the request
 
 
 @dataclass
@@ -40,12 +62,18 @@ class SchedulerOutput:
     """What runs in one step. The model runner reads only this."""
 
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
-    num_batched_tokens: int  # sum of len(token_ids)
+    num_batched_tokens: int  # sum of num_tokens
     # Block operations, executed before the forward in this order: swap out, copy, swap in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pairs
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests the runner must forget before this step (finished, aborted, preempted or swapped out
+    # since the previous step it was sent): a request scheduled again later comes back as new.
+    finished_req_ids: list[str] = field(default_factory=list)
+    # Single tokens fed past the prompt (decode tokens, for the metrics); the rest of the batch is
+    # prefill or recompute.
+    num_decode_tokens: int = 0
 
     @property
     def has_block_ops(self) -> bool:
@@ -53,8 +81,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to run and no block to move."""
-        return not self.scheduled and not self.has_block_ops
+        """Nothing to run, no block to move and nothing for the runner to forget."""
+        return not self.scheduled and not self.has_block_ops and not self.finished_req_ids
 
 
 @dataclass(frozen=True, slots=True)

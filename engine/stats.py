@@ -86,11 +86,7 @@ def make_iteration_stats(
     """What one step did: token counts from ``sched_out`` and ``runner_out``, latencies and finished
     sequences from the output processor's ``record`` of the step, the runner's phase times and the
     core's own (``schedule_s``; ``update_s``: update, detokenization, outputs)."""
-    num_decode_tokens = sum(
-        1
-        for item in sched_out.scheduled
-        if len(item.token_ids) == 1 and item.start_pos >= len(item.prompt_token_ids)
-    )
+    num_decode_tokens = sched_out.num_decode_tokens
     stats = IterationStats(
         num_batched_tokens=sched_out.num_batched_tokens,
         # Decode tokens are single tokens past the prompt; everything else is (re)prefill.

@@ -405,14 +405,16 @@ def _size(num_bytes: int) -> str:
 
 
 def _without_sampling_inputs(out: SchedulerOutput) -> SchedulerOutput:
-    """``out`` for a rank that does not sample: what ``prepare_inputs`` reads (token ids, positions, block
-    tables, which rows sample) without the prompts, outputs and sampling parameters."""
+    """``out`` for a rank that does not sample: the new requests without their sampling parameters
+    (the rest is what the rank's runner state and ``prepare_inputs`` need)."""
+    if not any(item.new is not None and item.new.sampling_params is not None for item in out.scheduled):
+        return out
     return dataclasses.replace(
         out,
         scheduled=[
-            dataclasses.replace(
-                item, sampling_params=None, output_token_ids=[], prompt_token_ids=[], eos_token_id=None
-            )
+            item
+            if item.new is None
+            else dataclasses.replace(item, new=dataclasses.replace(item.new, sampling_params=None))
             for item in out.scheduled
         ],
     )

@@ -1,7 +1,9 @@
 """Model-free builders for the scheduler and block manager tests (no torch anywhere in here).
 
-``FakeModel`` stands in for the model runner: it computes slots from block tables exactly like
-``ModelRunner.prepare_inputs`` does, keeps a shadow KV cache (each slot remembers the token prefix whose
+``FakeModel`` stands in for the model runner: it keeps its own copy of the requests from the step
+messages alone (``CachedRequests``, as the runner does) and checks it against the scheduler's every step,
+computes slots from those block tables exactly like ``ModelRunner.prepare_inputs`` does, keeps a shadow
+KV cache (each slot remembers the token prefix whose
 KV it holds), checks that every request attends over KV that really is its own prefix, and samples a
 deterministic pseudo-random token that is never EOS unless told to.
 """
@@ -15,6 +17,7 @@ from collections import Counter
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.request import Request
+from kvpilot.engine.runner_state import CachedRequests
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import SchedulerConfig, SchedulerOutput
@@ -79,14 +82,15 @@ def fake_token(req: Request) -> int:
     return 1 + zlib.crc32(key) % (VOCAB - 1)
 
 
-def slots_of(out: SchedulerOutput, block_size: int) -> list[int]:
-    """The slot mapping the model runner would build for ``out``."""
+def slots_of(out: SchedulerOutput, bm: BlockManager) -> list[int]:
+    """The slot mapping of ``out`` (from the block manager's tables, which the runner's copies must
+    equal: ``FakeModel`` checks that)."""
+    bs = bm.block_size
     slots = []
     for item in out.scheduled:
-        table = item.block_table
+        table = bm.get_block_table(item.req_id)
         slots.extend(
-            table[p // block_size] * block_size + p % block_size
-            for p in range(item.start_pos, item.start_pos + len(item.token_ids))
+            table[p // bs] * bs + p % bs for p in range(item.start_pos, item.start_pos + item.num_tokens)
         )
     return slots
 
@@ -104,6 +108,10 @@ class FakeModel:
         self.kv: dict[int, tuple[int, ...]] = {}
         self.cpu_kv: dict[int, tuple[int, ...]] = {}  # the swap pool, same slot numbering
         self.token_fn = token_fn
+        # The runner's own copy of the requests, kept from the step messages alone; every step it is
+        # checked against the scheduler's requests and the block manager's tables.
+        self.requests = CachedRequests()
+        self.fed: dict[str, list[int]] = {}  # the tokens each request fed in the last step
 
     def _move(self, src_kv: dict, dst_kv: dict, mapping: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all sources read before any destination is written)."""
@@ -127,18 +135,28 @@ class FakeModel:
         self._move(self.kv, self.kv, out.blocks_to_copy)
         self._move(self.cpu_kv, self.kv, out.blocks_to_swap_in)
         sampled = {}
-        for item in out.scheduled:
+        states = self.requests.update(out)
+        # The runner forgets exactly the requests that left it: it holds only running ones.
+        assert set(self.requests.states) <= {r.req_id for r in sched.running}
+        self.fed = {}
+        for item, state in zip(out.scheduled, states, strict=True):
             req = sched.requests[item.req_id]
-            table = item.block_table
+            table = state.block_ids
             tokens = req.all_token_ids
-            assert item.token_ids == tokens[item.start_pos : item.start_pos + len(item.token_ids)]
+            # The runner's copy, rebuilt from the deltas, is the scheduler's request.
+            assert state.prompt_token_ids + state.output_token_ids == tokens, f"{item.req_id} tokens differ"
+            assert table == sched.block_manager.get_block_table(item.req_id), f"{item.req_id} table differs"
+            assert state.sampling_params is req.sampling_params
+            fed = state.token_slice(item.start_pos, item.start_pos + item.num_tokens)
+            assert fed == tokens[item.start_pos : item.start_pos + item.num_tokens]
+            self.fed[item.req_id] = fed
             assert item.start_pos == req.num_computed_tokens
             for p in range(item.start_pos):  # attend over everything cached for this request
                 slot = table[p // bs] * bs + p % bs
                 assert self.kv.get(slot) == tuple(tokens[: p + 1]), (
                     f"{item.req_id} position {p} reads KV of another prefix from slot {slot}"
                 )
-            for p in range(item.start_pos, item.start_pos + len(item.token_ids)):
+            for p in range(item.start_pos, item.start_pos + item.num_tokens):
                 self.kv[table[p // bs] * bs + p % bs] = tuple(tokens[: p + 1])
             if item.do_sample:
                 sampled[item.req_id] = self.token_fn(req)
@@ -155,7 +173,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput, before: dict[str, int]) -
     bm = sched.block_manager
     bs = bm.block_size
     cfg = sched.config
-    assert out.num_batched_tokens == sum(len(i.token_ids) for i in out.scheduled)
+    assert out.num_batched_tokens == sum(i.num_tokens for i in out.scheduled)
     assert 0 <= out.num_batched_tokens <= cfg.max_num_batched_tokens
     assert len(sched.running) <= cfg.max_num_seqs
     ids = [i.req_id for i in out.scheduled]
@@ -166,15 +184,15 @@ def check_step(sched: Scheduler, out: SchedulerOutput, before: dict[str, int]) -
     # Order: running decodes, then running prefill chunks, then newly admitted requests.
     rank = [0 if before.get(i) == 1 else 1 if i in before else 2 for i in ids]
     assert rank == sorted(rank), f"out of order (0 decode, 1 prefill chunk, 2 admitted): {rank}"
-    slots = slots_of(out, bs)
+    slots = slots_of(out, bm)
     assert len(slots) == len(set(slots)), "a slot is written twice in one step"
     for item in out.scheduled:
-        end = item.start_pos + len(item.token_ids)
-        assert len(item.token_ids) >= 1
+        end = item.start_pos + item.num_tokens
+        assert item.num_tokens >= 1
         # On demand: exactly the blocks needed for the tokens computed after this step.
-        assert len(item.block_table) == -(-end // bs)
+        assert len(bm.get_block_table(item.req_id)) == -(-end // bs)
         assert item.do_sample == (end == sched.requests[item.req_id].num_tokens)
-    check_blocks(sched, {item.req_id: len(item.token_ids) for item in out.scheduled})
+    check_blocks(sched, {item.req_id: item.num_tokens for item in out.scheduled})
 
 
 def check_blocks(sched: Scheduler, scheduled: dict[str, int] | None = None) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.request import Request
-from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvpilot.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 def random_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -33,18 +33,12 @@ def prompt_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
         for start in range(0, len(prompt), chunk):
             ids = prompt[start : start + chunk]
             assert bm.allocate_slots(req, len(ids))
-            item = ScheduledRequest(
-                "logits",
-                ids,
-                start,
-                bm.get_block_table("logits"),
-                False,
-                req.sampling_params,
-                [],
-                prompt,
-                None,
-            )
+            table = bm.get_block_table("logits")
+            new = NewRequestData(prompt, [], req.sampling_params, None) if start == 0 else None
+            cut = 0 if start == 0 else start // bm.block_size
+            item = ScheduledRequest("logits", start, len(ids), False, [], cut, table[cut:], new)
             inputs = runner.prepare_inputs(SchedulerOutput([item], len(ids)))
+            assert inputs.input_ids.tolist() == ids
             with torch.inference_mode():
                 hidden = runner.model(
                     inputs.input_ids, inputs.positions, runner.kv_cache.layers, inputs.metadata
@@ -53,4 +47,5 @@ def prompt_logits(llm: LLM, prompt: list[int], chunk: int) -> torch.Tensor:
             req.num_computed_tokens += len(ids)
     finally:
         bm.free(req)
+        runner.update_states(SchedulerOutput([], 0, finished_req_ids=["logits"]))
     return torch.cat(rows)

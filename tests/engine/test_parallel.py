@@ -362,7 +362,7 @@ def test_worker_exception_mid_run_is_raised_with_its_message(tiny_llama):
         with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\): AttributeError: 'NoneType'") as err:
             llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8))
         assert isinstance(err.value.__cause__, AttributeError)
-        assert "has_block_ops" in str(err.value.__cause__.__cause__)  # the worker's traceback
+        assert "finished_req_ids" in str(err.value.__cause__.__cause__)  # the worker's traceback
 
 
 def _edited_checkpoint(tiny_llama, out_dir: Path, edit) -> Path:
@@ -491,7 +491,7 @@ def test_layout_splits_heads_layers_and_vocabulary():
     ],
 )
 def test_pipeline_micro_batches_are_contiguous_balanced_and_non_empty(lengths, num, expected):
-    items = [SimpleNamespace(token_ids=[0] * n) for n in lengths]
-    runs = split_micro_batches(items, num)
-    assert [[len(i.token_ids) for i in run] for run in runs] == expected
+    items = [SimpleNamespace(num_tokens=n) for n in lengths]
+    runs = [items[a:b] for a, b in split_micro_batches(items, num)]
+    assert [[i.num_tokens for i in run] for run in runs] == expected
     assert [i for run in runs for i in run] == items

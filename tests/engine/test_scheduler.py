@@ -46,7 +46,7 @@ def step(sched, model=None):
 
 def layout(out):
     """[(req_id, start_pos, num_tokens, do_sample)] of a step."""
-    return [(i.req_id, i.start_pos, len(i.token_ids), i.do_sample) for i in out.scheduled]
+    return [(i.req_id, i.start_pos, i.num_tokens, i.do_sample) for i in out.scheduled]
 
 
 def scripted(tokens: dict[str, list[int]]):
@@ -225,8 +225,10 @@ def test_preemption_requeues_the_newest_running_request_at_the_front():
     while "r2" not in [i.req_id for i in out.scheduled]:
         out, _ = step(sched, model)
     (item,) = [i for i in out.scheduled if i.req_id == "r2"]
-    assert (item.start_pos, item.token_ids) == (0, r2.all_token_ids[: len(item.token_ids)])
-    assert len(item.token_ids) >= 5  # the prompt and the token generated before the preemption
+    # The runner forgot it: it is sent again whole, with the token generated before the preemption.
+    assert item.new is not None and item.new.output_token_ids == generated
+    assert (item.start_pos, model.fed["r2"]) == (0, r2.all_token_ids[: item.num_tokens])
+    assert item.num_tokens >= 5  # the prompt and the token generated before the preemption
     run_to_completion(sched, model)
     assert all(r.num_output_tokens == 8 for r in reqs)
 
@@ -279,7 +281,7 @@ def test_recompute_after_preemption_reuses_cached_prefix_blocks():
         out, _ = step(sched, model)
     (item,) = [i for i in out.scheduled if i.req_id == "victim"]
     # Its two full blocks survived in the cache: only the partial block's tokens are recomputed.
-    assert (item.start_pos, item.token_ids) == (8, victim.all_token_ids[8:10])
+    assert (item.start_pos, model.fed["victim"]) == (8, victim.all_token_ids[8:10])
     assert victim.num_cached_tokens == 8
     run_to_completion(sched, model)
     assert (first.num_output_tokens, victim.num_output_tokens) == (5, 4)
@@ -452,6 +454,9 @@ def test_abort_running_and_waiting_frees_blocks():
     assert sched.running == [] and not sched.waiting and not sched.requests
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     assert sched.block_manager.block_tables == {}
+    # The next step runs nothing but tells the runner to forget the request it held (not the waiting one).
+    tail = sched.schedule()
+    assert (tail.scheduled, tail.finished_req_ids, tail.has_block_ops) == ([], ["run"], False)
     assert sched.schedule().is_empty
 
 
