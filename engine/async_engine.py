@@ -1,7 +1,8 @@
 """AsyncEngine: one engine loop on a background thread, per-request output streams for asyncio.
 
 The ``LLMEngine`` is not thread-safe, so exactly one thread touches it: the engine thread. The event
-loop talks to it through a command queue (add, abort, config) and gets outputs back through
+loop talks to it through one queue of typed commands (``AddRequests``, ``AbortRequests``,
+``Reconfigure``: values, each with a future for its reply where it has one) and gets outputs back through
 ``loop.call_soon_threadsafe``::
 
     event loop (HTTP handlers)                     engine thread
@@ -60,6 +61,35 @@ class PromptInput:
     arrival_time: float
     # Clip max_tokens to the context, or refuse it naming these fields (the OpenAI server's rule).
     context: ContextRule = CLIP_TO_CONTEXT
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequests:
+    """Queue these requests, all or none; ``reply`` gets None, or the error that refused them."""
+
+    inputs: tuple[PromptInput, ...]
+    stream: bool
+    reply: concurrent.futures.Future
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    """Stop these requests (unknown or finished ids are ignored); no reply."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """Apply a run-time settings update (``live_config.apply_update``), whole or not at all; ``reply``
+    gets the settings in force after it, or the ``ConfigError``."""
+
+    update: object
+    reply: concurrent.futures.Future
+
+
+# What the event loop sends the engine thread, on one queue, applied in order between two steps.
+EngineCommand = AddRequests | AbortRequests | Reconfigure
 
 
 class SteppedEngine(Protocol):
@@ -122,9 +152,9 @@ class AsyncEngine:
         self.stall_timeout_s = stall_timeout_s
         self.dead_error: BaseException | None = None
         self._cv = threading.Condition()
-        self._commands: list[tuple] = []
+        self._commands: list[EngineCommand] = []
         # The commands the engine thread took and is applying: failed too if the loop dies midway.
-        self._applying: list[tuple] = []
+        self._applying: list[EngineCommand] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -196,7 +226,7 @@ class AsyncEngine:
             self._streams[rid] = rs
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self._submit(("add", list(inputs), stream, fut))
+            self._submit(AddRequests(tuple(inputs), stream, fut))
             await asyncio.wrap_future(fut)
         except BaseException as exc:
             for rid in ids:
@@ -233,7 +263,7 @@ class AsyncEngine:
         it; returns the settings in force afterwards. Raises ``ConfigError`` for an invalid update and
         ``EngineDeadError`` when the loop is dead."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("config", update, fut))
+        self._submit(Reconfigure(update, fut))
         return await asyncio.wrap_future(fut)
 
     def reconfigure_before_start(self, update: object) -> LiveConfig:
@@ -251,7 +281,7 @@ class AsyncEngine:
             self._streams.pop(rid, None)
         if ids and self.dead_error is None:
             try:
-                self._submit(("abort", ids))
+                self._submit(AbortRequests(tuple(ids)))
             except EngineDeadError:
                 pass
 
@@ -269,7 +299,7 @@ class AsyncEngine:
             if not rs.finished:
                 self.abort(request_id)
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: EngineCommand) -> None:
         with self._cv:
             if self.dead_error is not None:
                 raise EngineDeadError(self.health_detail)
@@ -326,20 +356,21 @@ class AsyncEngine:
             return
         self._die(EngineDeadError("the engine loop was shut down"), log=False)
 
-    def _apply(self, commands: list[tuple]) -> None:
+    def _apply(self, commands: list[EngineCommand]) -> None:
         num_aborted = 0
         for command in commands:
-            if command[0] == "add":
-                _, inputs, stream, fut = command
-                if fut.set_running_or_notify_cancel():
-                    self._apply_add(inputs, stream, fut)
-            elif command[0] == "config":
-                _, update, fut = command
-                if fut.set_running_or_notify_cancel():
-                    self._apply_config(update, fut)
-            else:
-                # Ids that finished (or never got in) meanwhile are ignored by the engine.
-                num_aborted += self.engine.abort_request(command[1])
+            match command:
+                case AddRequests(inputs, stream, reply):
+                    if reply.set_running_or_notify_cancel():
+                        self._apply_add(inputs, stream, reply)
+                case Reconfigure(update, reply):
+                    if reply.set_running_or_notify_cancel():
+                        self._apply_config(update, reply)
+                case AbortRequests(request_ids):
+                    # Ids that finished (or never got in) meanwhile are ignored by the engine.
+                    num_aborted += self.engine.abort_request(list(request_ids))
+                case _:
+                    raise TypeError(f"unknown engine command {command!r}")
         # Gauges must reflect adds and aborts even when no step follows (an idle engine after an abort).
         stats = self.engine.stats()
         for stat_logger in self.engine.stat_loggers:
@@ -367,7 +398,7 @@ class AsyncEngine:
         logger.info("run-time settings now %s", new.as_dict())
         return new
 
-    def _apply_add(self, inputs: list[PromptInput], stream: bool, fut: concurrent.futures.Future) -> None:
+    def _apply_add(self, inputs: Sequence[PromptInput], stream: bool, fut: concurrent.futures.Future) -> None:
         """All or none: every input is checked before admission (a request that can never run is
         refused as such, whatever the queue), and none is queued unless all are admitted."""
         engine = self.engine
@@ -423,10 +454,10 @@ class AsyncEngine:
         self._applying = []
         error = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}" if log else str(exc))
         for command in pending:
-            if command[0] in ("add", "config"):
+            if isinstance(command, AddRequests | Reconfigure):
                 # Whether it was still queued or half applied when the loop died, its caller gets the error.
                 try:
-                    command[-1].set_exception(error)
+                    command.reply.set_exception(error)
                 except concurrent.futures.InvalidStateError:
                     pass  # resolved already, or cancelled by its caller
         self._publish(self._fail_all, error)

@@ -56,7 +56,9 @@ class NewRequest:
 class InputProcessor:
     """Turns one user request into the scheduler's ``Request`` objects.
 
-    ``active_request_ids`` holds the user request ids still running (a duplicate is refused);
+    ``active_request_ids`` holds the user request ids still running (a duplicate is refused), and
+    ``live_sequence_ids`` the ids of their unfinished sequences (both the output processor's: the
+    front end checks against its own state, never the core's);
     ``eos_token_id`` is stamped on every request made, and may be changed between requests. The bounds
     are the scheduler's, read at each request: ``max_num_seqs`` may change at run time.
     """
@@ -68,12 +70,14 @@ class InputProcessor:
         eos_token_id: int | None,
         scheduler: Scheduler,
         active_request_ids: Container[str],
+        live_sequence_ids: Container[str],
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.scheduler = scheduler
         self.active_request_ids = active_request_ids
+        self.live_sequence_ids = live_sequence_ids
 
     def process(
         self,
@@ -160,9 +164,10 @@ class InputProcessor:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param=None)
 
     def check_sequence_ids_free(self, seqs: list[Request], taken: Container[str] = ()) -> None:
-        """Refuse sequences whose ids a queued sequence (or ``taken``) holds: a user id may spell
+        """Refuse sequences whose ids an unfinished sequence (or ``taken``) holds: a user id may spell
         another request's sibling or beam id (``x#1``, ``x#b0``)."""
-        clash = [s.req_id for s in seqs if s.req_id in self.scheduler.requests or s.req_id in taken]
+        live = self.live_sequence_ids
+        clash = [s.req_id for s in seqs if s.req_id in live or s.req_id in taken]
         if clash:
             raise InvalidRequestError(
                 f"request id {seqs[0].client_request_id!r}: sequence id {clash[0]!r} is in use", param=None

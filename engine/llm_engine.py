@@ -106,6 +106,7 @@ class LLMEngine(ShutdownOnExit):
             config.eos_token_id,
             self.scheduler,
             active_request_ids=self.output_processor,
+            live_sequence_ids=self.output_processor.live_sequence_ids,
         )
         self.num_steps = 0
         # Callables (SchedulerStats, IterationStats) -> None, called after every step.

@@ -18,6 +18,7 @@ stop string (to finish), and the beam searches' intents. One step is::
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 
 from kvpilot.engine.beam_search import BeamIntent, BeamSearchGroup, Finish, Fork, Pause
@@ -140,6 +141,11 @@ class OutputProcessor:
     def __len__(self) -> int:
         """The number of unfinished user requests."""
         return len(self._states)
+
+    @property
+    def live_sequence_ids(self) -> KeysView[str]:
+        """The ids of every unfinished sequence (a live view)."""
+        return self._seqs.keys()
 
     def add_request(
         self,

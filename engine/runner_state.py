@@ -60,9 +60,27 @@ class CachedRequests:
         for req_id in out.finished_req_ids:
             states.pop(req_id, None)
         scheduled = []
+        append = scheduled.append
         for item in out.scheduled:
             new = item.new
-            if new is not None:
+            if new is None:
+                state = states.get(item.req_id)
+                if state is None:
+                    raise RuntimeError(
+                        f"step for request {item.req_id!r}, which this runner does not hold: a step "
+                        "message was lost or applied out of order"
+                    )
+                if item.new_token_ids:
+                    state.output_token_ids += item.new_token_ids
+                blocks = state.block_ids
+                cut = item.block_ids_from
+                if cut > len(blocks):
+                    raise RuntimeError(
+                        f"request {item.req_id!r}: block table cut at {cut}, but this runner holds "
+                        f"{len(blocks)} blocks of it"
+                    )
+                blocks[cut:] = item.new_block_ids
+            else:
                 state = CachedRequestState(
                     item.req_id,
                     new.prompt_token_ids,
@@ -72,27 +90,10 @@ class CachedRequests:
                     list(item.new_block_ids),
                 )
                 states[item.req_id] = state
-            else:
-                state = states.get(item.req_id)
-                if state is None:
-                    raise RuntimeError(
-                        f"step for request {item.req_id!r}, which this runner does not hold: a step "
-                        "message was lost or applied out of order"
-                    )
-                if item.new_token_ids:
-                    state.output_token_ids.extend(item.new_token_ids)
-                blocks = state.block_ids
-                if item.block_ids_from > len(blocks):
-                    raise RuntimeError(
-                        f"request {item.req_id!r}: block table cut at {item.block_ids_from}, but this "
-                        f"runner holds {len(blocks)} blocks of it"
-                    )
-                del blocks[item.block_ids_from :]
-                blocks.extend(item.new_block_ids)
-            if item.start_pos + item.num_tokens > state.num_tokens:
+            if item.start_pos + item.num_tokens > len(state.prompt_token_ids) + len(state.output_token_ids):
                 raise RuntimeError(
                     f"request {item.req_id!r}: step feeds up to position {item.start_pos + item.num_tokens}"
                     f" but this runner holds {state.num_tokens} of its tokens"
                 )
-            scheduled.append(state)
+            append(state)
         return scheduled

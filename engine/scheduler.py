@@ -188,7 +188,7 @@ class Scheduler:
             if not blocked:
                 budget, _ = self._start_queued(self.waiting, budget, scheduled, self._allocate_waiting)
 
-        items = [self._runner_delta(req, num_new) for req, num_new in scheduled.values()]
+        items = self._runner_deltas(scheduled.values())
         num_decode_tokens = sum(
             1
             for req, num_new in scheduled.values()
@@ -207,35 +207,34 @@ class Scheduler:
             num_decode_tokens=num_decode_tokens,
         )
 
-    def _runner_delta(self, req: Request, num_new: int) -> ScheduledRequest:
-        """``req``'s slice of the step as a change to what the runner holds of it: everything when the
-        runner does not hold it; else its output tokens since the last send and its block table from the
-        block this step first writes into (the earlier ones are full and never change; that one may
+    def _runner_deltas(self, scheduled: Iterable[tuple[Request, int]]) -> list[ScheduledRequest]:
+        """Each request's slice of the step as a change to what the runner holds of it: everything when
+        the runner does not hold it; else its output tokens since the last send and its block table from
+        the block this step first writes into (the earlier ones are full and never change; that one may
         have been replaced by a copy on write)."""
-        start = req.num_computed_tokens
-        table = self.block_manager.get_block_table(req.req_id)
-        sent = self._runner_outputs.get(req.req_id)
-        if sent is None:
-            new = NewRequestData(
-                req.prompt_token_ids, list(req.output_token_ids), req.sampling_params, req.eos_token_id
-            )
-            new_tokens: list[int] = []
-            cut = 0
-        else:
-            new = None
-            new_tokens = req.output_token_ids[sent:]
-            cut = start // self.block_manager.block_size
-        self._runner_outputs[req.req_id] = req.num_output_tokens
-        return ScheduledRequest(
-            req_id=req.req_id,
-            start_pos=start,
-            num_tokens=num_new,
-            do_sample=start + num_new == req.num_tokens,
-            new_token_ids=new_tokens,
-            block_ids_from=cut,
-            new_block_ids=table[cut:],
-            new=new,
-        )
+        tables = self.block_manager.block_tables
+        bs = self.block_manager.block_size
+        sent_outputs = self._runner_outputs
+        items = []
+        for req, num_new in scheduled:
+            req_id = req.req_id
+            start = req.num_computed_tokens
+            outputs = req.output_token_ids
+            table = tables[req_id]
+            sent = sent_outputs.get(req_id)
+            sent_outputs[req_id] = len(outputs)
+            do_sample = start + num_new == len(req.prompt_token_ids) + len(outputs)
+            if sent is None:
+                new = NewRequestData(
+                    req.prompt_token_ids, list(outputs), req.sampling_params, req.eos_token_id
+                )
+                items.append(ScheduledRequest(req_id, start, num_new, do_sample, [], 0, list(table), new))
+            else:
+                cut = start // bs
+                items.append(
+                    ScheduledRequest(req_id, start, num_new, do_sample, outputs[sent:], cut, table[cut:])
+                )
+        return items
 
     def _leave_runner(self, req: Request) -> None:
         """``req`` frees its blocks: the runner forgets it with the next step."""

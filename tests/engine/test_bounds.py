@@ -69,7 +69,9 @@ def test_siblings_share_one_copy_of_stops_and_prompt():
     assert sibling.stop_strings is params.stop_strings and sibling.stop_token_ids is params.stop_token_ids
     assert params.stop_strings == ("a", "bc") and params.stop_token_id_set == {4, 5}
     sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096)
-    proc = InputProcessor(CharTokenizer(), 1000, None, sched, active_request_ids=set())
+    proc = InputProcessor(
+        CharTokenizer(), 1000, None, sched, active_request_ids=set(), live_sequence_ids=set()
+    )
     prompt = list(range(100, 400))
     new = proc.process("r", prompt, params)
     token_ids, seqs = new.prompt_token_ids, new.seqs

@@ -27,7 +27,9 @@ class Tokens:
 def processor(**scheduler_args):
     sched = make_scheduler(**scheduler_args)
     active: set[str] = set()
-    return InputProcessor(Tokens(), VOCAB, None, sched, active_request_ids=active), sched, active
+    live: set[str] = set()  # the unfinished sequences' ids (the output processor's, in the engine)
+    proc = InputProcessor(Tokens(), VOCAB, None, sched, active_request_ids=active, live_sequence_ids=live)
+    return proc, sched, active
 
 
 def refused(proc, *args, **kwargs) -> InvalidRequestError:
@@ -101,11 +103,13 @@ def test_a_user_id_that_spells_a_queued_sequence_id_is_refused():
     new = proc.process("x", [1, 2, 3], SamplingParams(n=2))
     sched.add_request(new.seqs[0], siblings=new.seqs[1:])
     active.add("x")
+    proc.live_sequence_ids.update(seq.req_id for seq in new.seqs)
     for spelled in ("x#0", "x#1"):
         err = refused(proc, spelled, [1, 2], SamplingParams())
         assert f"sequence id {spelled!r} is in use" in str(err) and err.param is None
     state, first = proc.process_beam_search("y", [1, 2], BeamSearchParams(beam_width=2, max_tokens=4))
     sched.add_request(first)
+    proc.live_sequence_ids.add(first.req_id)
     with pytest.raises(InvalidRequestError, match="'y#b0' is in use"):
         proc.process("y#b0", [1, 2], SamplingParams())
     assert sorted(sched.requests) == ["x#0", "x#1", "y#b0"]

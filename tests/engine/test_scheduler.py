@@ -563,7 +563,7 @@ def drive(
     bm = sched.block_manager
     bs = bm.block_size
     model = FakeModel(bs, token_fn=_token)
-    checker = InputProcessor(None, VOCAB, EOS, sched, active_request_ids=())
+    checker = InputProcessor(None, VOCAB, EOS, sched, active_request_ids=(), live_sequence_ids=())
     arrivals: dict[int, list] = {}
     for i, spec in enumerate(requests):
         arrivals.setdefault(spec[0], []).append((i, spec))
