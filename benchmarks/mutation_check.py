@@ -86,8 +86,8 @@ MUTATIONS = [
     Mutation(
         "budget-one-seq-too-many",
         "engine/scheduler.py",
-        "return budget > 0 and num_seqs + 1 + len(req.pending_forks) <= self.config.max_num_seqs",
-        "return budget > 0 and num_seqs + len(req.pending_forks) <= self.config.max_num_seqs",
+        "return budget > 0 and len(self.running) < self.config.max_num_seqs",
+        "return budget > 0 and len(self.running) <= self.config.max_num_seqs",
         ("tests/engine/test_scheduler.py",),
     ),
     Mutation(

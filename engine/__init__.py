@@ -14,9 +14,11 @@ into ``RequestOutput`` objects. ``README.md`` beside this file walks one request
 * ``request``: one sequence's state, written only by the scheduler.
 * ``block_manager``: the paged KV cache's bookkeeping: block tables, prefix cache, copy-on-write, swap.
 * ``scheduler``: continuous batching with chunked prefill and preemption; ``update_from_output``.
-* ``scheduler_output``: the scheduler's contracts: its config, one step's batch, one request's update.
+* ``scheduler_output``: the scheduler's contracts: its config, one step's batch as a change to the
+  runner's state, one sequence's ``CoreOutput``.
 * ``request_queue``: the scheduler's FCFS queues, with O(1) removal (aborts) and safe iteration.
 * ``model_runner``: one rank's step on the model: flatten the batch, forward, sample; KV-pool sizing.
+* ``runner_state``: the runner's own copy of the requests it runs, kept from the step messages.
 * ``memory``: how many KV blocks fit in the memory budget; the CPU swap pool.
 * ``sampler``: logits -> next tokens (greedy, temperature, top-k/p, min-p, penalties, seeds).
 * ``output_processor``: updates -> outputs: detokenizing, stop strings, ``n > 1`` merge, beam search.

@@ -20,6 +20,15 @@ token ids)``. Keys are compared exactly (a dictionary holds the token tuples), s
 can never share KV, whatever their hashes; key ids are never reused. A new request reuses the longest run
 of cached blocks matching its prompt. Blocks whose reference count drops
 to zero stay cached (and count as free) until the allocator evicts them, least recently freed first.
+
+A block is keyed when it is allocated for the tokens that fill it (as vLLM v1 does), not after they are
+computed: a request admitted later in the same step reuses it, and its attention reads the KV that the
+same forward writes first (each layer writes the step's K/V before it attends). That is how the ``n``
+sequences of one request share their prompt's full blocks, each computing only its last partial block.
+Such a block is *tentative* until ``end_step``: if its writer is preempted in the same step, the block is
+un-keyed as it is freed. The scheduler's order makes that safe: every preemption of a step comes before
+its admissions (the only requests that look blocks up), so nobody else holds a tentative block whose
+writer is preempted; ``free`` and ``swap_out`` assert it.
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ class BlockManager:
         self._next_key_id = 0
         self.block_tables: dict[str, list[int]] = {}
         self._key_chain: dict[str, list[int]] = {}  # key ids of a request's full blocks, in order
+        # Blocks a request keyed this step, for tokens the step has not computed yet (see the module doc).
+        self._tentative: dict[str, list[int]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write pairs for this step
         # CPU pool for swapped-out requests.
         self.num_cpu_blocks = num_cpu_blocks
@@ -186,7 +197,26 @@ class BlockManager:
             table[last] = dst
         for _ in range(needed):
             table.append(self._pop_free())
+        if self.enable_prefix_caching:
+            keyed = self._register_keys(req, req.num_computed_tokens + num_new_tokens)
+            if keyed:
+                self._tentative.setdefault(req.req_id, []).extend(keyed)
         return True
+
+    def end_step(self) -> None:
+        """The step's allocations are final (its forward will compute them): no block is tentative."""
+        self._tentative.clear()
+
+    def _drop_tentative(self, req: Request) -> None:
+        """Un-key the blocks ``req`` keyed this step: it is freed before computing them."""
+        for block in self._tentative.pop(req.req_id, ()):
+            assert self.ref_counts[block] == 1, (
+                f"block {block} is freed before {req.req_id} computed it, but another request shares it"
+            )
+            key = self.block_keys[block]
+            if key is not None and self._cached.get(key, (None,))[0] == block:
+                del self._cached[key]
+            self.block_keys[block] = None
 
     def undo_allocate_prefix(self, req: Request) -> None:
         """Free what ``allocate_prefix`` gave ``req`` when it is not admitted after all, and withdraw its
@@ -198,14 +228,18 @@ class BlockManager:
             self.prefix_hits -= req.num_cached_tokens
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register the cache keys of ``req``'s blocks that became full (their KV is computed)."""
-        if not self.enable_prefix_caching:
-            return
+        """Register the cache keys of ``req``'s blocks whose KV is computed (after a swap-in)."""
+        if self.enable_prefix_caching:
+            self._register_keys(req, req.num_computed_tokens)
+
+    def _register_keys(self, req: Request, num_tokens: int) -> list[int]:
+        """Key ``req``'s blocks that the first ``num_tokens`` tokens fill; returns the blocks keyed."""
         chain = self._key_chain[req.req_id]
         table = self.block_tables[req.req_id]
         bs = self.block_size
-        num_full = min(req.num_computed_tokens // bs, len(table))
+        num_full = min(num_tokens // bs, len(table))
         parent = chain[-1] if chain else None
+        keyed = []
         for i in range(len(chain), num_full):
             key = (parent, tuple(req.token_slice(i * bs, (i + 1) * bs)))
             hit = self._cached.get(key)
@@ -218,7 +252,9 @@ class BlockManager:
                 if self.block_keys[block] is None:
                     self.block_keys[block] = key
                     self._cached[key] = (block, parent)
+                    keyed.append(block)
             chain.append(parent)
+        return keyed
 
     def fork(self, parent: Request, child: Request) -> None:
         """Make ``child`` share every block of ``parent`` (reference counted, copy-on-write)."""
@@ -235,6 +271,7 @@ class BlockManager:
 
     def swap_out(self, req: Request) -> None:
         """Move every block of ``req`` to the CPU pool (caller checked ``can_swap_out``)."""
+        self._drop_tentative(req)
         table = self.block_tables.pop(req.req_id)
         self._key_chain.pop(req.req_id, None)
         # A block whose copy-on-write copy has not run yet holds nothing: swap out the copy's source.
@@ -281,6 +318,7 @@ class BlockManager:
         cpu_table = self.cpu_tables.pop(req.req_id, None)
         if cpu_table is not None:
             self._free_cpu.extend(cpu_table)
+        self._drop_tentative(req)
         table = self.block_tables.pop(req.req_id, None)
         self._key_chain.pop(req.req_id, None)
         if table is None:

@@ -217,7 +217,8 @@ class LLMEngine(ShutdownOnExit):
 
     def queue_request(self, new: NewRequest, stream: bool = False) -> None:
         """Queue a request ``check_request`` returned (before any other request is added)."""
-        self.scheduler.add_request(new.seqs[0], siblings=new.seqs[1:])
+        for seq in new.seqs:  # n > 1: independent sequences, sharing the prompt through the prefix cache
+            self.scheduler.add_request(seq)
         self.output_processor.add_request(
             new.request_id,
             new.prompt_text,

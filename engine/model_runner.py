@@ -32,7 +32,7 @@ from kvpilot.engine.models.layers import prepack_cpu_linears
 from kvpilot.engine.models.llama import LlamaForCausalLM
 from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.runner_state import CachedRequests, CachedRequestState
-from kvpilot.engine.sampler import Sampler, SamplingRow
+from kvpilot.engine.sampler import PenaltyCounts, Sampler, SamplingRow
 from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
 from kvpilot.kernels.backend import AttentionBackend
 from kvpilot.kernels.metadata import AttentionMetadata
@@ -330,7 +330,13 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [], prepare_s, t2 - t0 - prepare_s)
         logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts)
         rows = [
-            SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id)
+            SamplingRow(
+                s.sampling_params,
+                s.prompt_token_ids,
+                s.output_token_ids,
+                s.eos_token_id,
+                self._penalty_counts(s, logits.shape[1]) if s.sampling_params.has_penalties else None,
+            )
             for s in sampling
         ]
         sampled = self.sampler(logits, rows)
@@ -342,6 +348,12 @@ class ModelRunner:
             forward_s=t2 - t0 - prepare_s,
             sample_s=time.perf_counter() - t2,
         )
+
+    def _penalty_counts(self, state: CachedRequestState, vocab: int) -> PenaltyCounts:
+        """``state``'s penalty counts, made at its first sampling step and kept with it from then on."""
+        if state.penalties is None:
+            state.penalties = PenaltyCounts(vocab, self.device, state.prompt_token_ids)
+        return state.penalties
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int, max_num_seqs: int) -> None:

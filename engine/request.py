@@ -21,7 +21,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, to be recomputed
     SWAPPED = "swapped"  # blocks in the CPU pool
-    FORK_PENDING = "fork_pending"  # an n > 1 sibling waiting to share its parent's prompt blocks
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -66,9 +65,6 @@ class Request:
     # FCFS priority: lower is earlier; the scheduler preempts the highest first.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     num_preemptions: int = 0
-    # Sequences to fork from this one once its prompt, all but the last token, is computed (n > 1).
-    pending_forks: list[Request] = field(default_factory=list)
-    fork_parent: Request | None = None
     # A paused request keeps its blocks but is not scheduled (beam search waits for its siblings).
     is_paused: bool = False
     # Tokens of the prompt whose KV came from the prefix cache at admission.

@@ -25,6 +25,9 @@ class CachedRequestState:
     sampling_params: SamplingParams | None
     eos_token_id: int | None
     block_ids: list[int]
+    # The sampler's penalty counts (``sampler.PenaltyCounts``), made at the first step that samples a
+    # request with penalties and dropped with the request.
+    penalties: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,14 +20,43 @@ from kvpilot.engine.sampling_params import SamplingParams
 _GREEDY_EPS = 1e-5
 
 
+class PenaltyCounts:
+    """A request's penalty inputs, kept from step to step by the model runner: which tokens its prompt
+    and output hold (repetition penalty) and how often each output token occurred (presence and
+    frequency penalties). Each step adds only the output tokens not counted yet, instead of rebuilding
+    both from the whole sequence: O(new tokens) a step, plus ``5 x vocab`` bytes per request that has
+    penalties."""
+
+    __slots__ = ("counts", "num_counted", "seen")
+
+    def __init__(self, vocab: int, device: torch.device, prompt_token_ids: list[int]) -> None:
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if prompt_token_ids:
+            self.seen[torch.tensor(prompt_token_ids, device=device)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.num_counted = 0
+
+    def update(self, output_token_ids: list[int]) -> None:
+        """Count the output tokens past those already counted (the list only grows)."""
+        new = output_token_ids[self.num_counted :]
+        if not new:
+            return
+        ids = torch.tensor(new, device=self.seen.device)
+        self.seen[ids] = True
+        self.counts.index_add_(0, ids, torch.ones(len(new), dtype=torch.float32, device=ids.device))
+        self.num_counted = len(output_token_ids)
+
+
 @dataclass
 class SamplingRow:
-    """What the sampler needs of one request that samples this step."""
+    """What the sampler needs of one request that samples this step. ``penalties``: the request's
+    counts kept across steps (the runner's); None builds them from the tokens for this step only."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: int | None
+    penalties: PenaltyCounts | None = None
 
 
 @dataclass
@@ -116,16 +145,16 @@ class Sampler:
             p = r.params
             if not p.has_penalties:
                 continue
+            counted = r.penalties
+            if counted is None:
+                counted = PenaltyCounts(vocab, device, r.prompt_token_ids)
+            counted.update(r.output_token_ids)
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-                seen[torch.tensor(r.prompt_token_ids + r.output_token_ids, device=device)] = True
                 penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                row.copy_(torch.where(seen, penalized, row))
+                row.copy_(torch.where(counted.seen, penalized, row))
             if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-                counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-                out = torch.tensor(r.output_token_ids, device=device)
-                counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+                counts = counted.counts
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:

@@ -19,9 +19,10 @@ request is preempted:
 
 The queues remove any request in O(1) (``RequestQueue``), so aborts never scan them.
 
-Parallel sampling (``n > 1``) shares the prompt: the first sequence prefills all but the last prompt
-token, then its siblings fork from it (sharing every block by reference) and each computes the last
-prompt token itself, copying the shared partial block on write.
+Parallel sampling (``n > 1``) is not the scheduler's concern: the input processor fans a request out
+into ``n`` independent sequences, queued together. They share their prompt's full blocks through the
+prefix cache (the first one admitted keys them as it allocates them; the others, admitted after it in
+the same step, reuse them), and each computes its last partial block itself.
 """
 
 from __future__ import annotations
@@ -54,8 +55,6 @@ class Scheduler:
         self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.swapped = RequestQueue()
-        # n > 1 siblings waiting to fork from a parent (in no queue, but waiting all the same).
-        self.num_fork_pending = 0
         # Every unfinished request by req_id: the one place a request's identity lives.
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
@@ -66,33 +65,18 @@ class Scheduler:
         self._runner_forget: list[str] = []
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, req: Request, siblings: list[Request] | None = None) -> None:
-        """Queue ``req``; ``siblings`` (n > 1) will fork from it and share its prompt blocks.
-
-        The requests come checked (``InputProcessor``: the prompt fits ``max_model_len`` and the whole
-        cache, the group ``max_num_seqs``); here each gets its output cap.
-        """
-        group = [req, *(siblings or [])]
-        for seq in group:
-            # Ids are unique by construction (the input processor refuses a running user id); a clash
-            # here would overwrite a live request and leak its blocks.
-            assert seq.req_id not in self.requests, f"request id {seq.req_id!r} is already queued"
-            seq.max_output_tokens = output_cap(
-                seq.num_prompt_tokens, seq.sampling_params.max_tokens, self.config.max_model_len
-            )
-        for seq in group:
-            seq.status = RequestStatus.WAITING
-            self.requests[seq.req_id] = seq
-        if siblings and req.num_prompt_tokens > 1:
-            # Siblings wait for the prompt's KV: they fork from ``req`` once it is computed.
-            req.pending_forks = list(siblings)
-            self.num_fork_pending += len(siblings)
-            for sib in siblings:
-                sib.status = RequestStatus.FORK_PENDING
-                sib.fork_parent = req
-            self.waiting.append(req)
-        else:
-            self.waiting.extend(group)
+    def add_request(self, req: Request) -> None:
+        """Queue ``req``, which comes checked (``InputProcessor``: the prompt fits ``max_model_len`` and
+        the whole cache); here it gets its output cap."""
+        # Ids are unique by construction (the input processor refuses a live sequence id); a clash here
+        # would overwrite a live request and leak its blocks.
+        assert req.req_id not in self.requests, f"request id {req.req_id!r} is already queued"
+        req.max_output_tokens = output_cap(
+            req.num_prompt_tokens, req.sampling_params.max_tokens, self.config.max_model_len
+        )
+        req.status = RequestStatus.WAITING
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Stop these requests now and free their blocks. Unknown or finished ids are ignored."""
@@ -111,9 +95,6 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status == RequestStatus.SWAPPED:
                 self.swapped.remove(req)
-            elif req.status == RequestStatus.FORK_PENDING:
-                req.fork_parent.pending_forks.remove(req)
-                self.num_fork_pending -= 1
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -124,14 +105,6 @@ class Scheduler:
         req.status = status
         self.block_manager.free(req)
         self._leave_runner(req)
-        if req.pending_forks:
-            # The parent ends before sharing its prompt: its siblings go on by themselves.
-            self.num_fork_pending -= len(req.pending_forks)
-            for sib in req.pending_forks:
-                sib.fork_parent = None
-                sib.status = RequestStatus.WAITING
-                self.waiting.append(sib)
-            req.pending_forks = []
 
     def reconfigure(self, max_num_seqs: int, max_num_batched_tokens: int, preemption_mode: str) -> None:
         """New bounds and preemption mode from the next step on (validated by ``live_config``). Running
@@ -195,6 +168,7 @@ class Scheduler:
             if num_new == 1 and req.num_computed_tokens >= req.num_prompt_tokens
         )
         swap_out, swap_in = bm.take_pending_swaps()
+        bm.end_step()  # every block allocated so far is computed by this step's forward
         forget, self._runner_forget = self._runner_forget, []
         return SchedulerOutput(
             scheduled=items,
@@ -241,13 +215,10 @@ class Scheduler:
         if self._runner_outputs.pop(req.req_id, None) is not None:
             self._runner_forget.append(req.req_id)
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        """Tokens ``req`` feeds this step: all it has not computed, within the budget -- and, while its
-        siblings wait to fork, no further than the last prompt token (which each computes itself)."""
-        end = req.num_tokens
-        if req.pending_forks:
-            end = req.num_prompt_tokens - 1
-        return min(end - req.num_computed_tokens, budget)
+    @staticmethod
+    def _num_new_tokens(req: Request, budget: int) -> int:
+        """Tokens ``req`` feeds this step: all it has not computed, within the budget."""
+        return min(req.num_tokens - req.num_computed_tokens, budget)
 
     def _start_queued(
         self,
@@ -288,8 +259,6 @@ class Scheduler:
         fresh = not bm.has_block_table(req.req_id)
         if fresh:
             req.num_computed_tokens = req.num_cached_tokens = bm.allocate_prefix(req)
-        if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1:
-            self._fork_siblings(req)  # the prefix cache already holds all but the last token
         wanted = self._num_new_tokens(req, req.num_tokens)
         num_new = min(wanted, budget)
         # Without chunked prefill a prompt waits for a budget that holds it whole.
@@ -301,10 +270,8 @@ class Scheduler:
         return num_new
 
     def _can_join(self, req: Request, budget: int) -> bool:
-        """Whether the budget and ``max_num_seqs`` leave room for ``req`` and the siblings that will
-        fork from it; running sequences count theirs too (n > 1)."""
-        num_seqs = len(self.running) + sum(len(r.pending_forks) for r in self.running)
-        return budget > 0 and num_seqs + 1 + len(req.pending_forks) <= self.config.max_num_seqs
+        """Whether the budget and ``max_num_seqs`` leave room for ``req``."""
+        return budget > 0 and len(self.running) < self.config.max_num_seqs
 
     def _start_running(self, req: Request, queue: RequestQueue | None = None) -> None:
         if queue is not None:
@@ -326,14 +293,6 @@ class Scheduler:
                 return False
             self._preempt(max(paused, key=lambda r: r.arrival_seq))
         return True
-
-    def _fork_siblings(self, parent: Request) -> None:
-        """Fork ``parent``'s pending siblings: they share its blocks and join the running batch."""
-        siblings, parent.pending_forks = parent.pending_forks, []
-        self.num_fork_pending -= len(siblings)
-        for sib in siblings:
-            sib.fork_parent = None
-            self._fork(parent, sib)
 
     def fork(self, parent_req_id: str, child: Request) -> None:
         """Start ``child`` from the computed state of the unfinished request ``parent_req_id``.
@@ -406,10 +365,7 @@ class Scheduler:
             req = self.requests.get(item.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += item.num_tokens
-            self.block_manager.cache_full_blocks(req)
-            if req.pending_forks and req.num_computed_tokens == req.num_prompt_tokens - 1:
-                self._fork_siblings(req)
+            req.num_computed_tokens += item.num_tokens  # its full blocks were keyed as allocated
             if not item.do_sample:
                 continue
             token = sampled[item.req_id]
@@ -438,8 +394,7 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(
             num_running=len(self.running),
-            # Sequences, as vLLM counts them: siblings waiting to fork included.
-            num_waiting=len(self.waiting) + self.num_fork_pending,
+            num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
             kv_cache_usage=bm.usage,
             cpu_cache_usage=bm.cpu_usage,

@@ -19,8 +19,8 @@ from .conftest import make_request
 def compute(bm: BlockManager, req, num_new: int) -> None:
     """What one step does to a request: allocate slots, 'compute' them, register full blocks."""
     assert bm.allocate_slots(req, num_new)
+    bm.end_step()
     req.num_computed_tokens += num_new
-    bm.cache_full_blocks(req)
 
 
 def lookup(bm: BlockManager, req) -> int:
@@ -137,17 +137,43 @@ def test_prefix_hit_never_covers_the_whole_prompt():
     assert lookup(bm, c) == 8
 
 
-def test_prefix_hit_requires_computed_kv():
+def test_a_block_is_shared_from_its_allocation_and_unkeyed_if_its_writer_never_computes_it():
+    """A block is keyed as it is allocated for the tokens that fill it: a request admitted after it in
+    the same step reuses it (the forward writes it before anyone attends over it). A writer freed
+    before computing it (preempted in the same step) takes the key with it."""
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     a = make_request(8, req_id="a")
     lookup(bm, a)
-    assert bm.allocate_slots(a, 8)  # scheduled, but the step has not run: nothing cached yet
+    assert bm.allocate_slots(a, 8)  # scheduled; the step has not run
     b = make_request(9, req_id="b")
-    assert lookup(bm, b) == 0
-    a.num_computed_tokens = 4
-    bm.cache_full_blocks(a)
+    assert lookup(bm, b) == 8  # b reuses both blocks in the same step
+    assert bm.get_block_table("b") == bm.get_block_table("a")
+    bm.end_step()
+    bm.free(a)  # computed by then: the blocks stay cached
     c = make_request(9, req_id="c")
-    assert lookup(bm, c) == 4
+    assert lookup(bm, c) == 8
+    # A writer preempted before its step runs: nobody may reuse its blocks afterwards.
+    bm2 = BlockManager(16, 4, enable_prefix_caching=True)
+    w = make_request([7] * 8, req_id="w")
+    lookup(bm2, w)
+    assert bm2.allocate_slots(w, 8)
+    bm2.free(w)
+    late = make_request([7] * 9, req_id="late")
+    assert lookup(bm2, late) == 0
+    assert bm2.block_keys == [None] * 16
+
+
+def test_freeing_a_tentative_block_someone_shares_is_refused():
+    """The scheduler never preempts a writer after an admission of the same step; the block manager
+    checks it rather than hand out KV that will never be written."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    a = make_request(8, req_id="a")
+    lookup(bm, a)
+    assert bm.allocate_slots(a, 8)
+    b = make_request(9, req_id="b")
+    assert lookup(bm, b) == 8
+    with pytest.raises(AssertionError, match="another request shares it"):
+        bm.free(a)
 
 
 def test_prefix_caching_off_never_shares():
@@ -384,10 +410,11 @@ def _next_token(req) -> int:
 @settings(max_examples=500, deadline=None)
 @given(block_ops())
 def test_random_ops_keep_ref_counts_and_kv_consistent(case):
-    """Random admissions (sharing prefixes), prefill chunks, forks, frees and preemptions (of the
-    newest request, even one already given slots this step), in steps where every request decodes
-    one token as in the scheduler, checked against a shadow KV cache: copies run first, then each
-    request must read back exactly its own prefix before writing."""
+    """Random admissions (sharing prefixes, also blocks keyed earlier in the same step), prefill
+    chunks, forks, frees (between steps, as finishes and aborts come) and preemptions (of the newest
+    request, even one already given slots this step), in steps where every request decodes one token
+    as in the scheduler, checked against a shadow KV cache: copies run first, then each request must
+    read back exactly its own prefix before writing."""
     bs, num_blocks, caching, ops = case
     bm = BlockManager(num_blocks, bs, enable_prefix_caching=caching)
     kv: dict[int, tuple] = {}
@@ -427,6 +454,7 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
                 if victim is req:
                     break
         copies = bm.take_pending_copies()
+        bm.end_step()  # the step's allocations are final: the writes below compute them
         dsts = [d for _, d in copies]
         assert len(dsts) == len(set(dsts)), f"two copies into one block: {copies}"
         assert all(bm.ref_counts[d] > 0 for d in dsts), f"a copy into a free block: {copies}"
@@ -446,7 +474,6 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
             for p in range(req.num_computed_tokens, req.num_computed_tokens + n):
                 kv[slot(req, p)] = tuple(req.all_token_ids[: p + 1])
             req.num_computed_tokens += n
-            bm.cache_full_blocks(req)
         planned.clear()
 
     for i, (op, pick, n) in enumerate(ops):
@@ -472,7 +499,7 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
                 child.num_computed_tokens = req.num_computed_tokens
                 bm.fork(req, child)
                 live.append(child)
-            elif op == "free":  # finish or abort
+            elif op == "free" and req.req_id not in planned:  # finish or abort, between steps
                 live.remove(req)
                 planned.pop(req.req_id, None)
                 bm.free(req)

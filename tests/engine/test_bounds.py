@@ -68,7 +68,13 @@ def test_siblings_share_one_copy_of_stops_and_prompt():
     sibling = dataclasses.replace(params, n=1, seed=4)
     assert sibling.stop_strings is params.stop_strings and sibling.stop_token_ids is params.stop_token_ids
     assert params.stop_strings == ("a", "bc") and params.stop_token_id_set == {4, 5}
-    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096)
+    sched = make_scheduler(
+        num_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+    )
     proc = InputProcessor(
         CharTokenizer(), 1000, None, sched, active_request_ids=set(), live_sequence_ids=set()
     )
@@ -79,7 +85,8 @@ def test_siblings_share_one_copy_of_stops_and_prompt():
     assert all(s.prompt_token_ids is token_ids for s in seqs)
     assert all(s.sampling_params.stop_strings is params.stop_strings for s in seqs)
     # Running does not make each sequence copy the prompt either.
-    sched.add_request(seqs[0], siblings=seqs[1:])
+    for seq in seqs:
+        sched.add_request(seq)
     model = FakeModel(4)
     for _ in range(3):
         out = sched.schedule()
@@ -173,13 +180,13 @@ def test_detokenizer_cuts_at_the_stop_across_tokens():
 # ---------------------------------------------------------------------------------- the queue
 def test_waiting_counts_every_sequence_siblings_included():
     sched = make_scheduler(num_blocks=64, max_num_seqs=8)
-    parent, *siblings = [make_request(12, req_id=f"p#{i}", max_tokens=4) for i in range(4)]
-    sched.add_request(parent, siblings=siblings)
+    for i in range(4):  # an n=4 request: four independent sequences
+        sched.add_request(make_request(12, req_id=f"p#{i}", max_tokens=4))
     sched.add_request(make_request(5, req_id="single"))
     assert sched.stats().num_waiting == 5
     sched.abort_requests(["p#2"])
     assert sched.stats().num_waiting == 4
-    sched.abort_requests(["p#0"])  # the parent goes: its siblings queue by themselves
+    sched.abort_requests(["p#0"])  # the first goes: the others go on by themselves
     assert sched.stats().num_waiting == 3 and len(sched.waiting) == 3
     run_to_completion(sched)
     assert sched.stats().num_waiting == 0
@@ -193,7 +200,8 @@ def _abort_all(groups: int) -> tuple[float, list]:
     ids = []
     for p in range(groups):
         group = [Request(f"q{p}#{i}", prompt, params, eos_token_id=0) for i in range(4)]
-        sched.add_request(group[0], siblings=group[1:])
+        for seq in group:
+            sched.add_request(seq)
         ids += [r.req_id for r in group]
     out = sched.schedule()  # some run, the rest stay queued
     assert out.scheduled and sched.stats().num_waiting > groups * 4 - 8
@@ -209,7 +217,7 @@ def _abort_all(groups: int) -> tuple[float, list]:
         elapsed = time.thread_time() - t0
     finally:
         gc.enable()
-    assert not sched.requests and not sched.waiting and not sched.running and sched.num_fork_pending == 0
+    assert not sched.requests and not sched.waiting and not sched.running
     assert sched.stats().num_waiting == 0
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.block_tables == {}

@@ -101,7 +101,8 @@ def test_the_sequence_bounds_are_the_schedulers_live_ones():
 def test_a_user_id_that_spells_a_queued_sequence_id_is_refused():
     proc, sched, active = processor()
     new = proc.process("x", [1, 2, 3], SamplingParams(n=2))
-    sched.add_request(new.seqs[0], siblings=new.seqs[1:])
+    for seq in new.seqs:
+        sched.add_request(seq)
     active.add("x")
     proc.live_sequence_ids.update(seq.req_id for seq in new.seqs)
     for spelled in ("x#0", "x#1"):

@@ -133,7 +133,10 @@ def test_prefix_caching_computes_shared_prefixes_once(tiny_llama):
 
 
 def test_parallel_sampling_shares_the_prompt_blocks(tiny_llama):
-    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=64, enable_prefix_caching=False)
+    """n = 4 sequences share their prompt's full blocks through the prefix cache (the first keys them
+    as it allocates them; the others, admitted after it in the same step, reuse them); each computes
+    its last partial block itself."""
+    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=64, enable_prefix_caching=True)
     engine = llm.llm_engine
     bm = engine.block_manager
     prompt = list(range(100, 120))  # 20 tokens: blocks of 8 + 8 + 4
@@ -146,11 +149,12 @@ def test_parallel_sampling_shares_the_prompt_blocks(tiny_llama):
             outputs = out
         in_use.append(bm.num_blocks - bm.num_free_blocks)
         max_refs.append(max(bm.ref_counts))
-    # Step 1 prefills 19 tokens (3 blocks) and forks: 4 sequences share those 3 blocks.
-    assert in_use[0] == 3 and max_refs[0] == 4
-    # Step 2: each writes token 20 into the shared partial block: 3 copy it, the last writes in place;
-    # the 2 full blocks stay shared: 2 + 4 instead of 4 x 3 = 12 blocks.
+    # Step 1: the first sequence prefills all 20 tokens (3 blocks); the other three reuse its 2 full
+    # blocks and compute their last 4 tokens each into a block of their own: 2 + 4 instead of
+    # 4 x 3 = 12 blocks, and 20 + 3 x 4 = 32 prompt tokens computed instead of 80.
+    assert in_use[0] == 6 and max_refs[0] == 4
     assert in_use[1] == 6 and max_refs[1] == 4
+    assert engine.stats().prefix_cache_hits == 3 * 16
     assert len(outputs.outputs) == 4
     for i, completion in enumerate(outputs.outputs):
         alone = llm.generate(

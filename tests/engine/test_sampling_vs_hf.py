@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (
 )
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.sampler import Sampler, SamplingRow
+from kvpilot.engine.sampler import PenaltyCounts, Sampler, SamplingRow
 
 PROBS_ATOL = 1e-6  # float32: both sides compute the same softmax, observed differences ~1e-8
 LOGPROBS_ATOL = 1e-4  # float32 through the whole model, as the logits comparison in test_llm_vs_hf
@@ -185,6 +185,26 @@ def test_presence_and_frequency_penalties_follow_openai_formula(presence, freque
 
 
 # ---------------------------------------------------------------------------------------------- logprobs
+
+
+def test_penalty_counts_kept_across_steps_equal_counts_built_each_step():
+    """The runner's counts, updated one output token at a step, give the same penalised logits, bit for
+    bit, as counts built from the whole sequence at every step (what transformers' processors see)."""
+    params = SamplingParams(
+        temperature=1.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2
+    )
+    history = _histories(seed=3)[0].tolist()
+    prompt, outputs = history[:25], []
+    kept = PenaltyCounts(VOCAB, torch.device("cpu"), prompt)
+    for step, token in enumerate(history[25:]):
+        logits = _logits(seed=step, rows=1)
+        fresh, cached = logits.clone(), logits.clone()
+        Sampler.apply_penalties(fresh, [SamplingRow(params, prompt, outputs, None)])
+        Sampler.apply_penalties(cached, [SamplingRow(params, prompt, outputs, None, penalties=kept)])
+        assert torch.equal(fresh, cached), f"step {step}"
+        assert kept.num_counted == len(outputs)
+        outputs.append(token)
+    assert int(kept.counts.sum()) == len(outputs) - 1  # the last token was appended after the last step
 
 
 @pytest.fixture(scope="module")
