@@ -162,10 +162,10 @@ MUTATIONS = [
         ("tests/operator/test_scrape.py",),
     ),
     Mutation(
-        "copy-on-write-skipped",
+        "uncomputed-block-stays-keyed",
         "engine/block_manager.py",
-        "return int(last < len(table) and self.ref_counts[table[last]] > 1)",
-        "return int(last < len(table) and self.ref_counts[table[last]] > 2)",
+        "                    keyed.append(block)",
+        "                    pass",
         ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
     ),
     Mutation(

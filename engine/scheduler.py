@@ -173,7 +173,6 @@ class Scheduler:
             scheduled=items,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_swap_out=swap_out,
-            blocks_to_copy=bm.take_pending_copies(),
             blocks_to_swap_in=swap_in,
             preempted_req_ids=preempted,
             finished_req_ids=forget,
@@ -183,8 +182,7 @@ class Scheduler:
     def _runner_deltas(self, scheduled: Iterable[tuple[Request, int]]) -> list[ScheduledRequest]:
         """Each request's slice of the step as a change to what the runner holds of it: everything when
         the runner does not hold it; else its output tokens since the last send and its block table from
-        the block this step first writes into (the earlier ones are full and never change; that one may
-        have been replaced by a copy on write)."""
+        the block this step first writes into (the earlier ones are full and never change)."""
         tables = self.block_manager.block_tables
         bs = self.block_manager.block_size
         sent_outputs = self._runner_outputs
