@@ -162,10 +162,10 @@ MUTATIONS = [
         ("tests/operator/test_scrape.py",),
     ),
     Mutation(
-        "uncomputed-block-stays-keyed",
+        "copy-on-write-skipped",
         "engine/block_manager.py",
-        "                    keyed.append(block)",
-        "                    pass",
+        "return int(last < len(table) and self.ref_counts[table[last]] > 1)",
+        "return int(last < len(table) and self.ref_counts[table[last]] > 2)",
         ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
     ),
     Mutation(

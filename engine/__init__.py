@@ -12,7 +12,7 @@ into ``RequestOutput`` objects. ``README.md`` beside this file walks one request
 * ``sampling_params``: ``SamplingParams``, validated at the edge.
 * ``input_processor``: prompts -> requests: tokenization, the one validation, the ``n > 1`` fan-out.
 * ``request``: one sequence's state, written only by the scheduler.
-* ``block_manager``: the paged KV cache's bookkeeping: block tables, prefix cache, swap.
+* ``block_manager``: the paged KV cache's bookkeeping: block tables, prefix cache, copy-on-write, swap.
 * ``scheduler``: continuous batching with chunked prefill and preemption; ``update_from_output``.
 * ``scheduler_output``: the scheduler's contracts: its config, one step's batch as a change to the
   runner's state, one sequence's ``CoreOutput``.

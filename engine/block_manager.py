@@ -3,16 +3,17 @@
 The KV cache is ``num_blocks`` blocks of ``block_size`` token slots. Each request owns a block table:
 logical block ``i`` (tokens ``i*block_size .. (i+1)*block_size - 1``) lives in physical block
 ``block_table[i]``. Blocks are allocated on demand as tokens are scheduled, so only the last block of a
-request is ever partly filled. Blocks carry reference counts: prefix caching lets several requests
-point at the same full block (the ``n`` sequences of one request, a beam search's rounds, prompts with
-a common prefix). Only full blocks are ever shared, so nobody writes into a shared block and no block
-is copied on write.
+request is ever partly filled. Blocks carry reference counts: prefix caching and ``fork`` (n > 1, beam
+search) let several requests point at the same physical block; a request about to write into a shared
+partial block first gets a private copy (copy-on-write), reported in ``pending_copies``.
 
 Swapping: with a CPU pool (``num_cpu_blocks``), ``swap_out`` moves a request's blocks to CPU blocks and
 ``swap_in`` brings them back into fresh device blocks. The copies themselves are the runner's job: it
-executes one step's swap-outs, then its swap-ins, before the forward pass. That order is safe because a
-block freed by a swap-out can be handed out again in the same step (to a swap-in or new tokens), and
-each of those writes after the swap-out has read it.
+executes one step's pending operations in the order swap-out, copy-on-write, swap-in, before the
+forward pass. That order is safe because a block freed by a swap-out can be handed out again in the
+same step (to a copy-on-write target, a swap-in or new tokens), and each of those writes after the
+swap-out has read it; a request swapped out while its own copy-on-write is still pending has the
+copy's source swapped out instead.
 
 Prefix caching: once a block is full, it is identified by the key ``(id of the parent block's key, its
 token ids)``. Keys are compared exactly (a dictionary holds the token tuples), so two different prefixes
@@ -62,6 +63,7 @@ class BlockManager:
         self._key_chain: dict[str, list[int]] = {}  # key ids of a request's full blocks, in order
         # Blocks a request keyed this step, for tokens the step has not computed yet (see the module doc).
         self._tentative: dict[str, list[int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write pairs for this step
         # CPU pool for swapped-out requests.
         self.num_cpu_blocks = num_cpu_blocks
         self._free_cpu: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
@@ -168,6 +170,13 @@ class BlockManager:
         self.prefix_hits += num_cached
         return num_cached
 
+    def _needs_cow(self, req: Request, table: list[int]) -> int:
+        """1 when the next write lands in a partially filled block shared with another request."""
+        if req.num_computed_tokens % self.block_size == 0:
+            return 0
+        last = req.num_computed_tokens // self.block_size
+        return int(last < len(table) and self.ref_counts[table[last]] > 1)
+
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req`` (KV written this step).
 
@@ -175,9 +184,17 @@ class BlockManager:
         """
         table = self.block_tables.setdefault(req.req_id, [])
         self._key_chain.setdefault(req.req_id, [])
+        cow = self._needs_cow(req, table)
         needed = self.num_blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
-        if needed > self.num_free_blocks:
+        if max(needed, 0) + cow > self.num_free_blocks:
             return False
+        if cow:
+            last = req.num_computed_tokens // self.block_size
+            src = table[last]
+            dst = self._pop_free()
+            self.pending_copies.append((src, dst))
+            self._release(src)
+            table[last] = dst
         for _ in range(needed):
             table.append(self._pop_free())
         if self.enable_prefix_caching:
@@ -239,6 +256,14 @@ class BlockManager:
             chain.append(parent)
         return keyed
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Make ``child`` share every block of ``parent`` (reference counted, copy-on-write)."""
+        table = self.block_tables[parent.req_id]
+        for block in table:
+            self.ref_counts[block] += 1
+        self.block_tables[child.req_id] = list(table)
+        self._key_chain[child.req_id] = list(self._key_chain[parent.req_id])
+
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, req: Request) -> bool:
         """Whether the free CPU pool holds every device block of ``req``."""
@@ -249,14 +274,17 @@ class BlockManager:
         self._drop_tentative(req)
         table = self.block_tables.pop(req.req_id)
         self._key_chain.pop(req.req_id, None)
+        # A block whose copy-on-write copy has not run yet holds nothing: swap out the copy's source.
+        pending_src = {dst: src for src, dst in self.pending_copies}
         cpu_table = []
         for block in table:
             cpu = self._free_cpu.pop()
-            self.pending_swap_out.append((block, cpu))
+            self.pending_swap_out.append((pending_src.get(block, block), cpu))
             cpu_table.append(cpu)
         self.cpu_tables[req.req_id] = cpu_table
         for block in reversed(table):
             self._release(block)
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if self.ref_counts[d] > 0]
 
     def can_swap_in(self, req: Request, num_new_tokens: int) -> bool:
         """Whether ``req``'s swapped blocks plus room for ``num_new_tokens`` fit the free pool."""
@@ -298,3 +326,12 @@ class BlockManager:
         # Tail blocks first, so that they are evicted before the shared prefix blocks.
         for block in reversed(table):
             self._release(block)
+        # A copy-on-write target freed in the same step must not be copied into any more: the block
+        # may be handed out again this step, even as the target of another copy.
+        if self.pending_copies:
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if self.ref_counts[d] > 0]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """This step's copy-on-write (src, dst) pairs, to run after the swap-outs and before the swap-ins."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

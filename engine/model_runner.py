@@ -202,13 +202,23 @@ class ModelRunner:
         self._block_ops(out)
 
     def _block_ops(self, out: SchedulerOutput) -> None:
-        """Swap out, then swap in (see ``BlockManager``)."""
+        """Swap out, copy on write, swap in -- in that order (see ``BlockManager``)."""
         if not out.has_block_ops:
             return
         kv = self.kv_cache
         if out.blocks_to_swap_out:
             mapping = torch.tensor(out.blocks_to_swap_out, dtype=torch.int64)
             self.backend.swap_blocks(kv.blocks_view(), kv.blocks_view(on_cpu=True), mapping)
+        if out.blocks_to_copy:
+            layers = kv.layers
+            mapping = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
+            sources = {src for src, _ in out.blocks_to_copy}
+            if any(dst in sources for _, dst in out.blocks_to_copy):
+                # A block freed after being read can be a later copy's target: keep the list's order.
+                for row in mapping:
+                    self.backend.copy_blocks([k for k, _ in layers], [v for _, v in layers], row[None])
+            else:
+                self.backend.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
         if out.blocks_to_swap_in:
             mapping = torch.tensor(out.blocks_to_swap_in, dtype=torch.int64)
             self.backend.swap_blocks(kv.blocks_view(on_cpu=True), kv.blocks_view(), mapping)

@@ -51,8 +51,8 @@ class ScheduledRequest:
     do_sample: bool  # True when this slice reaches the end of the known tokens: sample the next one
     # Output tokens generated since the runner last heard of the request (the previous step's sample).
     new_token_ids: list[int]
-    # The runner's block table is cut at ``block_ids_from`` and ``new_block_ids`` appended: the blocks
-    # before the one this step first writes into never change.
+    # The runner's block table is cut at ``block_ids_from`` and ``new_block_ids`` appended: blocks
+    # before the one this step first writes into never change (a copy-on-write replaces that one).
     block_ids_from: int
     new_block_ids: list[int]
     new: NewRequestData | None = None  # set when the runner does not hold the request
@@ -64,8 +64,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     num_batched_tokens: int  # sum of num_tokens
-    # Block operations, executed before the forward in this order: swap out, swap in.
+    # Block operations, executed before the forward in this order: swap out, copy, swap in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) pairs
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests the runner must forget before this step (finished, aborted, preempted or swapped out
@@ -77,7 +78,7 @@ class SchedulerOutput:
 
     @property
     def has_block_ops(self) -> bool:
-        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return bool(self.blocks_to_swap_out or self.blocks_to_copy or self.blocks_to_swap_in)
 
     @property
     def is_empty(self) -> bool:

@@ -128,8 +128,11 @@ class FakeModel:
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
-        # The runner's order: swap out, then swap in.
+        dsts = [d for _, d in out.blocks_to_copy]
+        assert len(dsts) == len(set(dsts)), f"two copies into one block: {out.blocks_to_copy}"
+        # The runner's order: swap out, copy on write, swap in.
         self._move(self.kv, self.cpu_kv, out.blocks_to_swap_out)
+        self._move(self.kv, self.kv, out.blocks_to_copy)
         self._move(self.cpu_kv, self.kv, out.blocks_to_swap_in)
         sampled = {}
         states = self.requests.update(out)

@@ -1,5 +1,4 @@
-"""BlockManager without a model: on-demand allocation, ref counts, prefix caching (shared full blocks
-only), swapping."""
+"""BlockManager without a model: on-demand allocation, ref counts, prefix caching, fork + copy-on-write."""
 
 from __future__ import annotations
 
@@ -292,47 +291,115 @@ def test_touching_a_cached_block_protects_it_from_eviction():
     assert bm.allocate_slots(b, 1) is False  # pool exhausted
 
 
-# ---------------------------------------------------------------------- sharing full blocks only
-def test_sequences_of_one_prompt_share_its_full_blocks_and_write_their_own_partial_block():
-    """The n sequences of one request (or a beam search's round): admitted one after the other, each
-    reuses the full blocks the first keyed and writes its last partial block into a block of its own,
-    so no shared block is ever written (nothing to copy on write)."""
-    bm = BlockManager(8, 4, enable_prefix_caching=True)
-    seqs = [make_request(6, req_id=f"s{i}") for i in range(3)]  # blocks [full, partial (2 of 4)]
-    for seq in seqs:
-        lookup(bm, seq)
-        assert bm.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)
-    first, *rest = (bm.get_block_table(s.req_id) for s in seqs)
-    assert [s.num_cached_tokens for s in seqs] == [0, 4, 4]
-    assert all(t[0] == first[0] for t in rest) and len({t[1] for t in [first, *rest]}) == 3
-    assert (bm.ref_counts[first[0]], bm.ref_counts[first[1]]) == (3, 1)
-    assert bm.num_free_blocks == 8 - 4
-    bm.end_step()
-    for s in seqs:
-        bm.free(s)
+# ---------------------------------------------------------------------- fork and copy-on-write
+def test_fork_shares_blocks_by_reference():
+    bm = BlockManager(8, 4)
+    parent = make_request(6, req_id="p")
+    admit(bm, parent)
+    children = [make_request(6, req_id=f"c{i}") for i in range(3)]
+    for child in children:
+        bm.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+    table = bm.get_block_table("p")
+    assert all(bm.get_block_table(c.req_id) == table for c in children)
+    assert bm.get_block_table("c0") is not table  # own list, shared blocks
+    assert [bm.ref_counts[b] for b in table] == [4, 4]
+    assert bm.num_free_blocks == 8 - 2
+    for r in [parent, *children]:
+        bm.free(r)
     assert bm.ref_counts == [0] * 8 and bm.num_free_blocks == 8
+
+
+def forked(bm: BlockManager, prompt_len: int):
+    """(parent "p", child "c"): a computed prompt of ``prompt_len`` tokens and its fork."""
+    parent = make_request(prompt_len, req_id="p")
+    admit(bm, parent)
+    child = make_request(prompt_len, req_id="c")
+    bm.fork(parent, child)
+    child.num_computed_tokens = prompt_len
+    return parent, child
+
+
+def test_copy_on_write_copies_a_shared_partial_block_exactly_once():
+    bm = BlockManager(8, 4)
+    parent, child = forked(bm, 6)  # blocks [full, partial (2 of 4)]
+    full, partial = bm.get_block_table("p")
+    child.append_output_token(40)
+    assert bm.allocate_slots(child, 1)
+    new = bm.get_block_table("c")[1]
+    assert new not in (full, partial)
+    assert bm.get_block_table("c") == [full, new]
+    assert bm.take_pending_copies() == [(partial, new)]
+    assert bm.take_pending_copies() == []
+    assert (bm.ref_counts[full], bm.ref_counts[partial], bm.ref_counts[new]) == (2, 1, 1)
+    child.num_computed_tokens += 1
+    # The parent is now the only holder of its partial block: it writes in place, no copy.
+    parent.append_output_token(41)
+    assert bm.allocate_slots(parent, 1)
+    assert bm.get_block_table("p") == [full, partial]
+    assert bm.take_pending_copies() == []
+    # Neither writes into a shared block again.
+    child.append_output_token(42)
+    assert bm.allocate_slots(child, 1)
+    assert bm.take_pending_copies() == []
+
+
+def test_no_copy_when_the_shared_last_block_is_full():
+    bm = BlockManager(8, 4)
+    _, child = forked(bm, 8)
+    assert bm.allocate_slots(child, 1)
+    assert bm.take_pending_copies() == []
+    assert bm.get_block_table("c")[:2] == bm.get_block_table("p")
+    assert len(bm.get_block_table("c")) == 3
+
+
+def test_copy_on_write_is_all_or_nothing():
+    bm = BlockManager(2, 4)
+    _, child = forked(bm, 6)
+    assert bm.allocate_slots(child, 1) is False
+    assert bm.take_pending_copies() == []
+    assert bm.get_block_table("c") == bm.get_block_table("p")
+
+
+def test_freeing_a_copy_target_drops_its_pending_copy():
+    # Two fork families copy-on-write in the same step; the first child is then preempted, so its
+    # fresh block goes back to the pool and is handed to the second child. Only the live copy may run.
+    bm = BlockManager(8, 4)
+    p1, p2 = make_request([1] * 6, req_id="p1"), make_request([2] * 6, req_id="p2")
+    admit(bm, p1)
+    admit(bm, p2)
+    c1, c2 = make_request([1] * 6, req_id="c1"), make_request([2] * 6, req_id="c2")
+    for parent, child in ((p1, c1), (p2, c2)):
+        bm.fork(parent, child)
+        child.num_computed_tokens = 6
+    assert bm.allocate_slots(c1, 1)
+    dst1 = bm.get_block_table("c1")[1]
+    bm.free(c1)
+    assert bm.allocate_slots(c2, 1)
+    dst2 = bm.get_block_table("c2")[1]
+    assert dst2 == dst1  # the freed block is reused at once
+    assert bm.take_pending_copies() == [(bm.get_block_table("p2")[1], dst2)]
 
 
 # ---------------------------------------------------------------------- properties
 @st.composite
 def block_ops(draw):
     op = st.tuples(
-        st.sampled_from(["new", "grow", "same", "same", "free", "preempt", "step", "step"]),
+        st.sampled_from(["new", "grow", "fork", "fork", "free", "preempt", "step", "step"]),
         st.integers(0, 63),
         st.integers(1, 9),
     )
     if draw(st.booleans()):
         ops = draw(st.lists(op, min_size=1, max_size=30))
     else:
-        # Families of one prompt (n > 1, beam search rounds) decoding together in a pool that soon
-        # runs dry.
+        # Fork families (n > 1, beam search) decoding together in a pool that soon runs dry.
         ops = []
         prompts = st.lists(st.tuples(st.integers(0, 63), st.integers(1, 9)), min_size=1, max_size=3)
         for pick, length in draw(prompts):
             ops += [("new", pick, length), ("step", 0, 1)]
-        ops += [("same", pick, 1) for pick in draw(st.lists(st.integers(0, 63), min_size=1, max_size=4))]
+        ops += [("fork", pick, 1) for pick in draw(st.lists(st.integers(0, 63), min_size=1, max_size=4))]
         ops += [("step", rotate, 1) for rotate in draw(st.lists(st.integers(0, 63), min_size=1, max_size=8))]
-    # Mostly block sizes > 1: only those have partial blocks, which are never shared.
+    # Mostly block sizes > 1: only those have partial blocks to copy on write.
     return draw(st.sampled_from([1, 2, 2, 4, 4])), draw(st.integers(2, 12)), draw(st.booleans()), ops
 
 
@@ -343,12 +410,11 @@ def _next_token(req) -> int:
 @settings(max_examples=500, deadline=None)
 @given(block_ops())
 def test_random_ops_keep_ref_counts_and_kv_consistent(case):
-    """Random admissions (sharing prefixes, also blocks keyed earlier in the same step, and requests
-    with exactly another's tokens), prefill chunks, frees (between steps, as finishes and aborts come)
-    and preemptions (of the newest request, even one already given slots this step), in steps where
-    every request decodes one token as in the scheduler, checked against a shadow KV cache: each
-    request must read back exactly its own prefix before writing, and no block shared by two requests
-    is ever written."""
+    """Random admissions (sharing prefixes, also blocks keyed earlier in the same step), prefill
+    chunks, forks, frees (between steps, as finishes and aborts come) and preemptions (of the newest
+    request, even one already given slots this step), in steps where every request decodes one token
+    as in the scheduler, checked against a shadow KV cache: copies run first, then each request must
+    read back exactly its own prefix before writing."""
     bs, num_blocks, caching, ops = case
     bm = BlockManager(num_blocks, bs, enable_prefix_caching=caching)
     kv: dict[int, tuple] = {}
@@ -376,7 +442,7 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
 
     def step(rotate):
         # Every request not yet given slots decodes one token; when the pool is dry, the newest
-        # request is preempted (possibly after it was given slots this step), as the scheduler does.
+        # request is preempted (possibly after its copy-on-write this step), as the scheduler does.
         # The running order need not be the arrival order (re-admitted requests run last): rotate it.
         k = rotate % len(live) if live else 0
         for req in live[k:] + live[:k]:
@@ -387,23 +453,21 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
                 preempt(victim)
                 if victim is req:
                     break
-        # One writer per slot. A block that another request holds too is written only by the request
-        # that keyed it this step (the others reuse it in the same step): a partial block is never
-        # shared, and a block computed in an earlier step is never written again.
-        written = [
-            slot(r, p)
-            for r, n in planned.values()
-            for p in range(r.num_computed_tokens, r.num_computed_tokens + n)
-        ]
-        assert len(written) == len(set(written)), "two requests write one slot"
-        for r, n in planned.values():
-            for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
-                block = bm.block_tables[r.req_id][p // bs]
-                if bm.ref_counts[block] > 1:
-                    assert block in bm._tentative.get(r.req_id, ()), (
-                        f"{r.req_id} writes into shared block {block}"
-                    )
+        copies = bm.take_pending_copies()
         bm.end_step()  # the step's allocations are final: the writes below compute them
+        dsts = [d for _, d in copies]
+        assert len(dsts) == len(set(dsts)), f"two copies into one block: {copies}"
+        assert all(bm.ref_counts[d] > 0 for d in dsts), f"a copy into a free block: {copies}"
+        # A copy only ever targets the partial block a request of this step is about to write into.
+        targets = {
+            bm.block_tables[r.req_id][r.num_computed_tokens // bs]
+            for r, _ in planned.values()
+            if r.num_computed_tokens % bs
+        }
+        assert set(dsts) <= targets, f"a stale copy: {copies}"
+        moved = {(d * bs + o): kv.get(s * bs + o) for s, d in copies for o in range(bs)}
+        for key, value in moved.items():
+            kv[key] = value
         for req, n in planned.values():
             for p in range(req.num_computed_tokens):
                 assert kv.get(slot(req, p)) == tuple(req.all_token_ids[: p + 1]), (req.req_id, p)
@@ -429,13 +493,12 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
             req = live[pick % len(live)]
             if op == "grow" and req.req_id not in planned:
                 plan(req, n)
-            elif op == "same":  # a sibling: exactly its tokens so far, found through the prefix cache
-                twin = make_request(req.all_token_ids, req_id=f"q{i}")
-                lookup(bm, twin)
-                if plan(twin, twin.num_tokens - twin.num_computed_tokens):
-                    live.append(twin)
-                else:
-                    bm.free(twin)
+            elif op == "fork" and req.req_id not in planned:
+                child = make_request(req.prompt_token_ids, req_id=f"q{i}")
+                child.output_token_ids = list(req.output_token_ids)
+                child.num_computed_tokens = req.num_computed_tokens
+                bm.fork(req, child)
+                live.append(child)
             elif op == "free" and req.req_id not in planned:  # finish or abort, between steps
                 live.remove(req)
                 planned.pop(req.req_id, None)
@@ -451,7 +514,7 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
         bm.free(req)
     assert bm.num_free_blocks == num_blocks
     assert bm.ref_counts == [0] * num_blocks
-    assert bm.block_tables == {}
+    assert bm.block_tables == {} and bm.take_pending_copies() == []
 
 
 # ---------------------------------------------------------------------- boundaries
