@@ -1,4 +1,4 @@
-"""Beam search: which continuations survive each step (torch-free; the engine applies its intents).
+"""Beam search above the engine core (torch-free): which continuations survive each step.
 
 Each step every running beam reports the log-probabilities of its top ``2 * beam_width`` next tokens.
 The candidates (beam, token) are ranked by accumulated log-probability; the best ``2 * beam_width``
@@ -9,16 +9,23 @@ every kept candidate ends or no running beam can still beat the worst finished h
 the same procedure as transformers' ``generate(num_beams=..., do_sample=False)`` with its default
 ``early_stopping=False`` heuristic, so both return the same sequences.
 
-Sharing: a surviving candidate whose parent beam already holds that token continues in the parent;
-any other continuation forks the parent's KV blocks (reference counted, copy-on-write).
+The search runs on the core's ordinary API, as vLLM's does: each round is one request per running
+beam, its prompt the beam's tokens, greedy with ``max_tokens=1`` and ``logprobs=num_candidates``. The
+core knows nothing of beams (no fork, pause or resume). The rounds share KV through the prefix cache:
+each round's request finds its parent's blocks, the partly filled last one too (which a freed request
+leaves keyed by the tokens it holds), and computes one token; when two beams continue one parent, the
+second copies that last block before writing (copy on write). With prefix caching off, every round
+recomputes its beams whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from kvpilot.engine.errors import SamplingParamsError
-from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.stats import FinishedRequestStats
 
 
 @dataclass
@@ -138,111 +145,95 @@ class BeamSearchState:
         return sorted(hyps, key=lambda h: -h.score)[: self.params.beam_width]
 
 
-@dataclass
-class Fork:
-    """Start ``child`` from the KV of the running beam ``parent_req_id`` (shared, copy-on-write)."""
-
-    parent_req_id: str
-    child: Request
-
-
-@dataclass
-class Finish:
-    """End the beam ``req_id`` with ``status`` and free its blocks."""
-
-    req_id: str
-    status: RequestStatus
-
-
-@dataclass
-class Pause:
-    """Hold the beam ``req_id`` (keeping its blocks) until its group has been advanced."""
-
-    req_id: str
-
-
-@dataclass
-class Resume:
-    """Schedule the beam ``req_id`` again."""
-
-    req_id: str
-
-
-BeamIntent = Fork | Finish | Pause | Resume
-
-
 class BeamSearchGroup:
-    """One beam search on the engine: its beams are ordinary sequences of the scheduler.
+    """One beam search on the engine, driven from above the core.
 
-    Each beam samples greedily with ``logprobs = num_candidates`` and then pauses (keeping its KV)
-    until every running beam of the group has reported for the same length; ``advance`` then runs
-    the selection: winners continue in place or fork, losers finish. The group never touches the
-    scheduler and holds none of its objects (only the beams' ids; its own ``state`` has their
-    tokens): it returns what to do as intents, which the engine applies in order. ``first`` is the
-    first beam's ``Request``, read once here for the values every beam shares.
+    ``next_round`` names the round's requests (id and tokens, one per running beam); each reports its
+    candidates through ``on_sampled``; when all have, ``advance`` runs the selection. The group holds
+    no scheduler object: only the current round's ids and its own ``state``.
     """
 
-    def __init__(self, request_id: str, prompt: str | None, state: BeamSearchState, first: Request) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        state: BeamSearchState,
+        arrival_time: float,
+        sampling_params: SamplingParams,
+    ) -> None:
         self.request_id = request_id
+        self.sampling_params = sampling_params  # every round request's: greedy, one token, candidates
         self.prompt = prompt
-        self.prompt_token_ids = first.prompt_token_ids
+        self.prompt_token_ids = prompt_token_ids
         self.state = state
-        self._sampling_params = first.sampling_params
-        self._eos_token_id = first.eos_token_id
-        self._arrival_time = first.arrival_time
-        self.beam_ids: list[str] = [first.req_id]
+        self.arrival_time = arrival_time
+        self.beam_ids: list[str] = []  # the current round's request ids, one per running beam
         self.reports: dict[str, dict[int, float]] = {}
-        self._next_beam = 1
+        self._next_id = 0
+        # The search's metrics, as one request's: first scheduled, rounds' ends, preemptions.
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_rounds = 0
+        self.num_preemptions = 0
+
+    def next_round(self, taken: Container[str] = ()) -> list[tuple[str, list[int]]]:
+        """The requests of the next round: for each running beam, a fresh id (none in ``taken``, the
+        live sequence ids) and prompt + its tokens."""
+        round_ = []
+        for tokens, _ in self.state.beams:
+            req_id = f"{self.request_id}#b{self._next_id}"
+            while req_id in taken:
+                self._next_id += 1
+                req_id = f"{self.request_id}#b{self._next_id}"
+            self._next_id += 1
+            round_.append((req_id, self.prompt_token_ids + tokens))
+        self.beam_ids = [req_id for req_id, _ in round_]
+        self.reports.clear()
+        return round_
 
     def on_sampled(self, req_id: str, top_logprobs: dict[int, float]) -> bool:
-        """Record the candidates the beam ``req_id`` reported (its sampled token first; it must then
-        be paused); True when every beam has reported."""
+        """Record the candidates the round's request ``req_id`` reported; True when all have."""
         self.reports[req_id] = top_logprobs
         return all(b in self.reports for b in self.beam_ids)
 
-    def advance(self) -> list[BeamIntent]:
-        """Select the next beams; return the forks, then the finished beams, then the resumed ones.
-        ``state.done`` tells whether the search is over (every beam then finishes)."""
-        generated = [tokens for tokens, _ in self.state.beams]  # each beam's tokens before this step
-        sampled = [next(iter(self.reports[b])) for b in self.beam_ids]  # the token each beam appended
-        continuations = self.state.step([self.reports[b] for b in self.beam_ids])
-        self.reports.clear()
-        if self.state.done:
-            return self.finish()
-        # A winner whose parent already holds its token continues in the parent; the rest fork.
-        chosen: list[str | None] = [None] * len(continuations)
-        kept: set[str] = set()
-        for i, c in enumerate(continuations):
-            parent = self.beam_ids[c.parent]
-            if sampled[c.parent] == c.token and parent not in kept:
-                chosen[i] = parent
-                kept.add(parent)
-        intents: list[BeamIntent] = []
-        for i, c in enumerate(continuations):
-            if chosen[i] is None:
-                child = self._child(generated[c.parent] + [c.token])
-                chosen[i] = child.req_id
-                intents.append(Fork(self.beam_ids[c.parent], child))
-        intents += [Finish(b, RequestStatus.FINISHED_ABORTED) for b in self.beam_ids if b not in kept]
-        intents += [Resume(b) for b in chosen if b in kept]
-        self.beam_ids = chosen
-        return intents
+    def note_core_events(self, scheduled_time: float | None, num_preemptions: int) -> None:
+        """What the core reported of one round request: when it first ran, how often it was preempted."""
+        if self.scheduled_time is None:
+            self.scheduled_time = scheduled_time
+        self.num_preemptions += num_preemptions
 
-    def _child(self, output_token_ids: list[int]) -> Request:
-        """A new beam (for the scheduler to fork) with these generated tokens."""
-        child = Request(
-            req_id=f"{self.request_id}#b{self._next_beam}",
-            prompt_token_ids=self.prompt_token_ids,
-            sampling_params=self._sampling_params,
-            eos_token_id=self._eos_token_id,
-            arrival_time=self._arrival_time,
-            client_request_id=self.request_id,
+    def record_round(self, now: float, step) -> None:
+        """The round ended at ``now``: its latency goes into the step's record (``StepRecord``), the
+        first as the search's time to first token, the later ones as inter-token latencies."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+            step.ttfts.append(now - self.arrival_time)
+            step.num_prompt_tokens += len(self.prompt_token_ids)
+        else:
+            step.itls.append(now - self.last_token_time)
+        self.last_token_time = now
+        self.num_rounds += 1
+
+    def finished_stats(self, now: float) -> FinishedRequestStats:
+        """The search as one finished request, for the metrics."""
+        results = self.state.results()
+        return FinishedRequestStats(
+            finish_reason=results[0].finish_reason if results else "length",
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_generation_tokens=self.num_rounds,
+            arrival_time=self.arrival_time,
+            scheduled_time=self.scheduled_time,
+            first_token_time=self.first_token_time,
+            finished_time=now,
+            num_preemptions=self.num_preemptions,
         )
-        self._next_beam += 1
-        # The child shares the prompt list; only the generated tokens are its own.
-        child.output_token_ids = output_token_ids
-        return child
 
-    def finish(self) -> list[BeamIntent]:
-        """Finish every remaining beam (the search is over)."""
-        return [Finish(b, RequestStatus.FINISHED_STOPPED) for b in self.beam_ids]
+    def advance(self) -> bool:
+        """Select the next beams from the round's reports; True while the search goes on (then
+        ``next_round`` gives the requests to queue), False when it is over (``state.results()``)."""
+        self.state.step([self.reports[b] for b in self.beam_ids])
+        self.reports.clear()
+        self.beam_ids = []
+        return not self.state.done

@@ -58,6 +58,10 @@ class BlockManager:
         # Free blocks still holding a cached prefix, in eviction order (least recently freed first).
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[tuple, tuple[int, int]] = {}  # key -> (physical block, key id)
+        # Partly filled blocks left by freed requests: (parent key id, the tokens it holds) -> block, and
+        # each block's partial keys (see ``_register_partial``).
+        self._partial: dict[tuple, int] = {}
+        self._partial_of: dict[int, list[tuple]] = {}
         self._next_key_id = 0
         self.block_tables: dict[str, list[int]] = {}
         self._key_chain: dict[str, list[int]] = {}  # key ids of a request's full blocks, in order
@@ -122,6 +126,9 @@ class BlockManager:
             if key is not None and self._cached.get(key, (None,))[0] == block:
                 del self._cached[key]
             self.block_keys[block] = None
+            for partial in self._partial_of.pop(block, ()):
+                if self._partial.get(partial) == block:
+                    del self._partial[partial]
         self.ref_counts[block] = 1
         return block
 
@@ -135,7 +142,7 @@ class BlockManager:
         self.ref_counts[block] -= 1
         assert self.ref_counts[block] >= 0, f"block {block} released below zero"
         if self.ref_counts[block] == 0:
-            if self.block_keys[block] is not None:
+            if self.block_keys[block] is not None or block in self._partial_of:
                 self._free_cached[block] = None
             else:
                 self._free_plain.append(block)
@@ -143,9 +150,12 @@ class BlockManager:
     def allocate_prefix(self, req: Request) -> int:
         """On admission: reuse cached blocks for the longest cached prefix of ``req``'s tokens.
 
-        Returns the number of tokens whose KV is already cached (a multiple of ``block_size``, and
-        always leaving at least one token to compute so the request gets logits; 0 when prefix caching
-        is off): the caller's ``req.num_computed_tokens`` and ``req.num_cached_tokens`` from now on.
+        Full blocks first, then the longest partly filled block a freed request left that continues
+        them (a beam search's next round finds its previous round's last block so, and computes one
+        token). Returns the number of tokens whose KV is already cached (always leaving at least one
+        token to compute so the request gets logits; 0 when prefix caching is off): the caller's
+        ``req.num_computed_tokens`` and ``req.num_cached_tokens`` from now on. A request that goes on to
+        write into a partly filled block another request holds copies it first (``allocate_slots``).
         """
         assert req.req_id not in self.block_tables, f"{req.req_id} already has blocks"
         self.block_tables[req.req_id] = []
@@ -165,7 +175,15 @@ class BlockManager:
             self._touch(block)
             table.append(block)
             chain.append(parent)
-        num_cached = len(table) * self.block_size
+        num_cached = len(table) * bs
+        if self._partial:
+            for m in range(min(bs - 1, req.num_tokens - 1 - num_cached), 0, -1):
+                block = self._partial.get((parent, tuple(req.token_slice(num_cached, num_cached + m))))
+                if block is not None:
+                    self._touch(block)
+                    table.append(block)
+                    num_cached += m
+                    break
         self.prefix_queries += req.num_tokens
         self.prefix_hits += num_cached
         return num_cached
@@ -195,6 +213,12 @@ class BlockManager:
             self.pending_copies.append((src, dst))
             self._release(src)
             table[last] = dst
+        elif self._partial_of and req.num_computed_tokens % self.block_size:
+            # A block found by a partial key is written in place from this slot on (nobody else holds
+            # it): what its other keys say of those slots no longer holds.
+            self._truncate_partial(
+                table[req.num_computed_tokens // self.block_size], req.num_computed_tokens % self.block_size
+            )
         for _ in range(needed):
             table.append(self._pop_free())
         if self.enable_prefix_caching:
@@ -202,6 +226,43 @@ class BlockManager:
             if keyed:
                 self._tentative.setdefault(req.req_id, []).extend(keyed)
         return True
+
+    def _register_partial(self, req: Request, table: list[int]) -> None:
+        """``req`` is freed: key its last, partly filled block by the tokens it computed there, so that
+        a request continuing those tokens finds it (``allocate_prefix``)."""
+        bs = self.block_size
+        i, m = divmod(req.num_computed_tokens, bs)
+        chain = self._key_chain.get(req.req_id)
+        if not m or i >= len(table) or chain is None or len(chain) < i:
+            return
+        block = table[i]
+        key = (chain[i - 1] if i else None, tuple(req.token_slice(i * bs, i * bs + m)))
+        if self._partial.get(key) != block:
+            self._partial[key] = block
+            self._partial_of.setdefault(block, []).append(key)
+
+    def _truncate_partial(self, block: int, num_slots: int) -> None:
+        """``block`` is written in place from slot ``num_slots`` on: drop its keys that cover those slots
+        (its full key, if a request filled it since, and its longer partial keys; the shorter ones
+        still hold)."""
+        keys = self._partial_of.get(block)
+        if not keys:
+            return
+        full = self.block_keys[block]
+        if full is not None:
+            if self._cached.get(full, (None,))[0] == block:
+                del self._cached[full]
+            self.block_keys[block] = None
+        kept = []
+        for key in keys:
+            if len(key[1]) <= num_slots:
+                kept.append(key)
+            elif self._partial.get(key) == block:
+                del self._partial[key]
+        if kept:
+            self._partial_of[block] = kept
+        else:
+            del self._partial_of[block]
 
     def end_step(self) -> None:
         """The step's allocations are final (its forward will compute them): no block is tentative."""
@@ -320,6 +381,8 @@ class BlockManager:
             self._free_cpu.extend(cpu_table)
         self._drop_tentative(req)
         table = self.block_tables.pop(req.req_id, None)
+        if table is not None and self.enable_prefix_caching:
+            self._register_partial(req, table)
         self._key_chain.pop(req.req_id, None)
         if table is None:
             return

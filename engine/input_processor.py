@@ -14,7 +14,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.beam_search import BeamSearchParams, BeamSearchState
+from kvpilot.engine.beam_search import BeamSearchGroup, BeamSearchParams, BeamSearchState
 from kvpilot.engine.errors import InvalidRequestError
 from kvpilot.engine.request import Request, output_cap
 from kvpilot.engine.sampling_params import SamplingParams
@@ -117,9 +117,9 @@ class InputProcessor:
 
     def process_beam_search(
         self, request_id: str, prompt: str | list[int], params: BeamSearchParams
-    ) -> tuple[BeamSearchState, Request]:
-        """The search state and its first beam (``{request_id}#b0``). ``max_tokens`` is clipped to what
-        ``max_model_len`` leaves after the prompt.
+    ) -> BeamSearchGroup:
+        """The checked search (``max_tokens`` clipped to what ``max_model_len`` leaves after the prompt),
+        to run above the core in rounds of one-token requests (``beam_requests``).
 
         Raises ``InvalidRequestError`` like ``process``, and for a ``beam_width`` above ``max_num_seqs``.
         """
@@ -132,16 +132,21 @@ class InputProcessor:
         cap = output_cap(len(token_ids), params.max_tokens, self.scheduler.config.max_model_len)
         limited = dataclasses.replace(params, max_tokens=cap)
         state = BeamSearchState(limited, self.eos_token_id)
-        # Beams sample greedily and report their top candidates; the group decides when they stop.
+        # Each round's requests sample one token greedily and report their top candidates; the group
+        # decides which beams go on.
         beam_params = SamplingParams(
-            temperature=0.0,
-            max_tokens=state.params.max_tokens,
-            logprobs=state.num_candidates,
-            ignore_eos=True,
+            temperature=0.0, max_tokens=1, logprobs=state.num_candidates, ignore_eos=True
         )
-        first = self._request(f"{request_id}#b0", request_id, token_ids, beam_params, time.monotonic())
-        self.check_sequence_ids_free([first])
-        return state, first
+        text = prompt if isinstance(prompt, str) else None
+        return BeamSearchGroup(request_id, text, token_ids, state, time.monotonic(), beam_params)
+
+    def beam_requests(self, group: BeamSearchGroup, round_: list[tuple[str, list[int]]]) -> list[Request]:
+        """The scheduler's requests for one round of ``group`` (ids and prompts from ``next_round``,
+        within the checked bounds: a beam is never longer than the search's clipped ``max_tokens``)."""
+        return [
+            self._request(req_id, group.request_id, token_ids, group.sampling_params, group.arrival_time)
+            for req_id, token_ids in round_
+        ]
 
     def prompt_token_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """A text prompt tokenized, or a copy of the given ids checked against the vocabulary.

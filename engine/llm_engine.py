@@ -3,7 +3,8 @@
 Three parts, each with one job: the ``InputProcessor`` turns prompts into requests, ``step()`` runs the
 core loop -- schedule, execute, ``scheduler.update_from_output`` -- and the ``OutputProcessor`` turns the
 updates into ``RequestOutput`` objects. The engine wires them together and applies what the output
-processor asks of the scheduler (stop strings, beam search forks and finishes).
+processor asks of the core (finish the sequences a stop string ended; queue a beam search's next round
+of one-token requests).
 """
 
 from __future__ import annotations
@@ -14,15 +15,7 @@ from typing import Self
 
 import torch
 
-from kvpilot.engine.beam_search import (
-    BeamIntent,
-    BeamSearchGroup,
-    BeamSearchParams,
-    Finish,
-    Fork,
-    Pause,
-    Resume,
-)
+from kvpilot.engine.beam_search import BeamSearchGroup, BeamSearchParams
 from kvpilot.engine.block_manager import BlockManager
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.cpu_threads import apply_num_threads
@@ -235,12 +228,13 @@ class LLMEngine(ShutdownOnExit):
         """Queue a beam search; its output (``beam_width`` sequences, best first) comes from ``step()``
         when the search ends. Raises ``InvalidRequestError`` like ``add_request``, and for a
         ``beam_width`` above ``max_num_seqs``."""
-        state, first = self.input_processor.process_beam_search(request_id, prompt, params)
-        self.scheduler.add_request(first)
-        text = prompt if isinstance(prompt, str) else None
-        self.output_processor.add_beam_search(
-            BeamSearchGroup(request_id, text, state, first), first.arrival_time
-        )
+        group = self.input_processor.process_beam_search(request_id, prompt, params)
+        self._queue_round(group, self.output_processor.add_beam_search(group))
+
+    def _queue_round(self, group: BeamSearchGroup, round_: list[tuple[str, list[int]]]) -> None:
+        """Queue one round of a beam search: ordinary one-token requests, one per running beam."""
+        for req in self.input_processor.beam_requests(group, round_):
+            self.scheduler.add_request(req)
 
     def abort_request(self, request_ids: str | list[str]) -> int:
         """Abort requests now; their KV blocks are free when this returns. Unknown ids are ignored.
@@ -279,26 +273,16 @@ class LLMEngine(ShutdownOnExit):
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         self.num_steps += 1
         processed = self.output_processor.process(core_outputs, time.monotonic())
-        # What flows back into the core: the ids to finish (stop strings), and the beam searches' intents.
+        # What flows back into the core: the ids to finish (stop strings), and new requests (the beam
+        # searches' next rounds).
         self.scheduler.finish_requests(processed.stop_ids, RequestStatus.FINISHED_STOPPED)
-        for intent in processed.beam_intents:
-            self._apply(intent)
+        for group, round_ in processed.beam_rounds:
+            self._queue_round(group, round_)
         outputs = self.output_processor.make_outputs(processed)
         if self.stat_loggers:
             num_preemptions = self.scheduler.num_preemptions_total - num_preemptions_before
             self._log_stats(sched_out, runner_out, processed.record, num_preemptions, t1 - t0, t2)
         return outputs
-
-    def _apply(self, intent: BeamIntent) -> None:
-        match intent:
-            case Fork(parent_req_id, child):
-                self.scheduler.fork(parent_req_id, child)
-            case Finish(req_id, status):
-                self.scheduler.finish_requests([req_id], status)
-            case Pause(req_id):
-                self.scheduler.set_paused([req_id], True)
-            case Resume(req_id):
-                self.scheduler.set_paused([req_id], False)
 
     def _log_stats(
         self,

@@ -8,11 +8,12 @@ length so far; a non-streaming request gets one output with everything.
 The output processor owns the per-user-request state, keyed by the user's request id: the sequences of
 an ``n``-way request (``SeqState``: its tokens, logprobs, finish and timings, built from the core's
 ``CoreOutput`` values alone) with their detokenizers, or a beam search group. It never reads or writes
-the scheduler's objects. What the scheduler must do it returns: the ids of sequences whose text hit a
-stop string (to finish), and the beam searches' intents. One step is::
+the scheduler's objects. What the core must do it returns: the ids of sequences whose text hit a
+stop string (to finish), and the beam searches' next rounds (new one-token requests, as values). One
+step is::
 
     processed = output_processor.process(core_outputs, now)   # text, stop strings, beam selection
-    ... the engine finishes processed.stop_ids and applies processed.beam_intents ...
+    ... the engine finishes processed.stop_ids and queues processed.beam_rounds ...
     outputs = output_processor.make_outputs(processed)
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import KeysView
 from dataclasses import dataclass, field
 
-from kvpilot.engine.beam_search import BeamIntent, BeamSearchGroup, Finish, Fork, Pause
+from kvpilot.engine.beam_search import BeamSearchGroup
 from kvpilot.engine.detokenizer import IncrementalDetokenizer, StopStrings
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -118,8 +119,8 @@ class ProcessedUpdates:
 
     # Sequences whose text reached a stop string (already finished here): the scheduler must finish them.
     stop_ids: list[str] = field(default_factory=list)
-    # Scheduler actions for the beam searches, in the order they must be applied.
-    beam_intents: list[BeamIntent] = field(default_factory=list)
+    # The beam searches' next rounds: per search, the requests to queue (id, prompt + beam tokens).
+    beam_rounds: list[tuple[BeamSearchGroup, list[tuple[str, list[int]]]]] = field(default_factory=list)
     # Requests with news this step, and beam searches that ended.
     touched: list[RequestState] = field(default_factory=list)
     finished_beams: list[BeamSearchGroup] = field(default_factory=list)
@@ -182,17 +183,18 @@ class OutputProcessor:
         for i, seq in enumerate(seqs):
             self._seqs[seq.req_id] = (state, seq, i)
 
-    def add_beam_search(self, group: BeamSearchGroup, arrival_time: float) -> None:
-        """Track a beam search whose first beam the scheduler has queued."""
+    def add_beam_search(self, group: BeamSearchGroup) -> list[tuple[str, list[int]]]:
+        """Track a beam search; returns its first round, for the engine to queue."""
         self._states[group.request_id] = group
-        self._track_beam(group, group.beam_ids[0], arrival_time)
+        return self._next_round(group)
 
-    def _track_beam(
-        self, group: BeamSearchGroup, req_id: str, arrival_time: float, tokens: tuple[int, ...] = ()
-    ) -> None:
-        """A beam's state; a forked one starts with the tokens it inherits."""
-        seq = SeqState(req_id, len(group.prompt_token_ids), RequestMetrics(arrival_time), [], list(tokens))
-        self._seqs[req_id] = (group, seq, 0)
+    def _next_round(self, group: BeamSearchGroup) -> list[tuple[str, list[int]]]:
+        """The group's next round of one-token requests, each tracked as a sequence of the group."""
+        round_ = group.next_round(self._seqs)
+        for req_id, token_ids in round_:
+            seq = SeqState(req_id, len(token_ids), RequestMetrics(group.arrival_time), [])
+            self._seqs[req_id] = (group, seq, 0)
+        return round_
 
     def abort(self, request_id: str) -> list[str]:
         """Forget ``request_id``; return the ids of its unfinished sequences ([] if unknown)."""
@@ -218,15 +220,19 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted while the step ran
             state, seq, i = entry
+            if isinstance(state, BeamSearchGroup):
+                # A round's one-token requests are the search's own: the metrics see the search as
+                # one request (its latencies per round, one finish), not every round as one.
+                del self._seqs[out.req_id]
+                state.note_core_events(out.scheduled_time, out.num_preemptions)
+                if state.on_sampled(out.req_id, out.new_logprobs[-1]):
+                    ready[state.request_id] = state
+                    state.record_round(now, step)
+                continue
             seq.record(out, now, step)
             if out.finish_reason is not None:
                 seq.finish(out.finish_reason, out.stop_reason, now, step)
                 del self._seqs[out.req_id]
-            if isinstance(state, BeamSearchGroup):
-                result.beam_intents.append(Pause(out.req_id))
-                if state.on_sampled(out.req_id, out.new_logprobs[-1]):
-                    ready[state.request_id] = state
-                continue
             detok = state.detoks[i]
             for token in out.new_token_ids:
                 detok.add_token(token)
@@ -241,17 +247,10 @@ class OutputProcessor:
             touched[state.request_id] = state
         result.touched = list(touched.values())
         for group in ready.values():
-            intents = group.advance()
-            for intent in intents:
-                match intent:
-                    case Fork(_, child):
-                        self._track_beam(group, child.req_id, child.arrival_time, child.output_token_ids)
-                    case Finish(req_id, status):
-                        entry = self._seqs.pop(req_id, None)
-                        if entry is not None:
-                            entry[1].finish(status.value, None, now, step)
-            result.beam_intents += intents
-            if group.state.done:
+            if group.advance():
+                result.beam_rounds.append((group, self._next_round(group)))
+            else:
+                step.finished.append(group.finished_stats(now))
                 result.finished_beams.append(group)
         return result
 

@@ -54,7 +54,7 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # The id of the user request this sequence serves (defaults to req_id): the n > 1 siblings and the
-    # beams of one search share it.
+    # requests of one beam search's rounds share it.
     client_request_id: str = ""
     # The effective output cap: max_tokens clipped so that prompt + output <= max_model_len.
     max_output_tokens: int = 0
@@ -65,8 +65,6 @@ class Request:
     # FCFS priority: lower is earlier; the scheduler preempts the highest first.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     num_preemptions: int = 0
-    # A paused request keeps its blocks but is not scheduled (beam search waits for its siblings).
-    is_paused: bool = False
     # Tokens of the prompt whose KV came from the prefix cache at admission.
     num_cached_tokens: int = 0
     # When the scheduler first ran it (monotonic seconds), for the queue-time metrics.
@@ -82,7 +80,7 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without building the whole list: the prompt is shared by every
-        sequence made from it (n > 1 siblings, beams), never copied into each."""
+        sequence made from it (the n > 1 siblings), never copied into each."""
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]

@@ -83,8 +83,8 @@ class Scheduler:
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish requests from outside the step (abort, a stop string matched by the detokenizer, the
-        end of a beam search) and free their blocks. Unknown or finished ids are ignored; returns the
+        """Finish requests from outside the step (abort, a stop string matched by the detokenizer) and
+        free their blocks. Unknown or finished ids are ignored; returns the
         requests finished."""
         done = []
         for req_id in req_ids:
@@ -132,9 +132,8 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim.req_id)
 
-        active = [r for r in self.running if not r.is_paused]
-        decodes = [r for r in active if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in active if r.num_tokens - r.num_computed_tokens > 1]
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -227,13 +226,11 @@ class Scheduler:
         scheduled: dict[str, tuple[Request, int]],
         allocate: Callable[[Request, int], int | None],
     ) -> tuple[int, bool]:
-        """Start ``queue``'s requests in order (paused ones are passed over) while ``allocate(req, budget)``
-        finds them room: it returns the number of tokens the request feeds, or None to stop at it.
-        Returns the budget left and whether an unpaused request had to stay queued."""
+        """Start ``queue``'s requests in order while ``allocate(req, budget)`` finds them room: it returns
+        the number of tokens the request feeds, or None to stop at it. Returns the budget left and
+        whether a request had to stay queued."""
         # The walk stops at the first request that cannot start, so a long queue costs nothing here.
         for req in queue:
-            if req.is_paused:
-                continue
             if not self._can_join(req, budget):
                 return budget, True
             num_new = allocate(req, budget)
@@ -247,7 +244,7 @@ class Scheduler:
     def _allocate_swapped(self, req: Request, budget: int) -> int | None:
         bm = self.block_manager
         num_new = self._num_new_tokens(req, budget)
-        if not self._make_room(lambda: bm.can_swap_in(req, num_new)):
+        if not bm.can_swap_in(req, num_new):
             return None
         bm.swap_in(req)
         allocated = bm.allocate_slots(req, num_new)
@@ -263,7 +260,7 @@ class Scheduler:
         num_new = min(wanted, budget)
         # Without chunked prefill a prompt waits for a budget that holds it whole.
         too_big = not self.config.enable_chunked_prefill and wanted > budget
-        if too_big or not self._make_room(lambda: bm.allocate_slots(req, num_new)):
+        if too_big or not bm.allocate_slots(req, num_new):
             if fresh:
                 self._unadmit(req)
             return None
@@ -280,48 +277,6 @@ class Scheduler:
         if req.scheduled_time is None:
             req.scheduled_time = time.monotonic()
         self.running.append(req)
-
-    def _make_room(self, fits) -> bool:
-        """``fits()`` or, failing that, preempt paused running requests (newest first) until it does.
-
-        Paused requests hold blocks but cannot run before others catch up (beam search): when those
-        others need the room, the paused ones make way instead of deadlocking the step loop.
-        """
-        while not fits():
-            paused = [r for r in self.running if r.is_paused]
-            if not paused:
-                return False
-            self._preempt(max(paused, key=lambda r: r.arrival_seq))
-        return True
-
-    def fork(self, parent_req_id: str, child: Request) -> None:
-        """Start ``child`` from the computed state of the unfinished request ``parent_req_id``.
-        ``child``'s tokens must extend the parent's first ``num_computed_tokens`` tokens. A running
-        parent shares its blocks (copy on write); otherwise the child queues to compute its tokens itself.
-        """
-        self._fork(self.requests[parent_req_id], child)
-
-    def set_paused(self, req_ids: Iterable[str], is_paused: bool) -> None:
-        """Pause requests (they keep their blocks but are not scheduled) or resume them. Unknown or
-        finished ids are ignored."""
-        for req_id in req_ids:
-            req = self.requests.get(req_id)
-            if req is not None:
-                req.is_paused = is_paused
-
-    def _fork(self, parent: Request, child: Request) -> None:
-        if child.req_id not in self.requests:
-            # A child carries its parent's prompt and parameters: the same checked bounds.
-            child.max_output_tokens = parent.max_output_tokens
-            self.requests[child.req_id] = child
-        if parent.status == RequestStatus.RUNNING and self.block_manager.has_block_table(parent.req_id):
-            self.block_manager.fork(parent, child)
-            child.num_computed_tokens = parent.num_computed_tokens
-            self._start_running(child)
-        else:
-            child.num_computed_tokens = 0
-            child.status = RequestStatus.WAITING
-            self.waiting.appendleft(child)
 
     def _unadmit(self, req: Request) -> None:
         """Undo ``allocate_prefix`` for a request that stays waiting."""

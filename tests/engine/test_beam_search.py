@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from kvpilot.engine import LLM, BeamSearchParams, SamplingParams
-from kvpilot.engine.beam_search import BeamSearchGroup, BeamSearchState, Finish, Fork, Resume
-from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.beam_search import BeamSearchGroup, BeamSearchState
+from kvpilot.engine.request import Request
 from kvpilot.engine.stats import StepCallback
 
 
@@ -74,33 +74,45 @@ def test_beam_search_with_eos_and_length_penalty(tiny_llama, hf_llama):
 
 
 def test_beams_share_blocks_and_survive_a_tiny_pool(tiny_llama, hf_llama):
-    """Beams fork their parent's blocks (copy on write); under a pool too small for all beams they
-    are preempted and still give transformers' answer."""
+    """Each round's requests reuse the previous round's blocks through the prefix cache and compute
+    one token each; under a pool too small for all beams at once a round's
+    requests wait for each other (a one-token request never grows, so nothing is preempted) and still
+    give transformers' answer, with the prefix cache on or off (off: every round recomputes)."""
     prompt = [random.Random(3).randrange(5, 1000) for _ in range(30)]
     expected, _ = _hf_beams(hf_llama, prompt, 4, 10, 1.0, eos=None)
-    roomy = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256, enable_prefix_caching=False)
+    roomy = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256)
     bm = roomy.llm_engine.block_manager
-    peak = []
+    peak, computed = [], []
     roomy.llm_engine.stat_loggers.append(
-        StepCallback(lambda s, it: peak.append(bm.num_blocks - bm.num_free_blocks))
+        StepCallback(
+            lambda s, it: (
+                peak.append(bm.num_blocks - bm.num_free_blocks),
+                computed.append(it.num_batched_tokens),
+            )
+        )
     )
     out = roomy.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(4, 10, ignore_eos=True))[0]
     assert [s.tokens[30:] for s in out.sequences] == expected
     # 4 beams of up to 40 tokens would need 4 x 5 blocks unshared; the 3 full prompt blocks are shared.
     assert max(peak) <= 3 + 4 * 2
-    for mode in ("recompute", "swap"):
+    # Round 1 computes the prompt once; each later round one token per beam: each round's request finds
+    # its parent's blocks, the partly filled last one too (copied first when two beams continue it).
+    assert computed[0] == 30 and computed[1:] == [4] * (len(computed) - 1), computed
+    for caching in (True, False):
         tight = LLM(
             str(tiny_llama),
             block_size=8,
             num_gpu_blocks_override=8,
             max_model_len=64,
-            enable_prefix_caching=False,
-            preemption_mode=mode,
-            swap_space=0.001,
+            enable_prefix_caching=caching,
+        )
+        waiting = []
+        tight.llm_engine.stat_loggers.append(
+            StepCallback(lambda s, it, seen=waiting: seen.append(s.num_waiting))
         )
         out = tight.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(4, 10, ignore_eos=True))[0]
-        assert [s.tokens[30:] for s in out.sequences] == expected, mode
-        assert tight.llm_engine.stats().num_preemptions_total > 0
+        assert [s.tokens[30:] for s in out.sequences] == expected, caching
+        assert max(waiting) > 0, "the pool holds fewer than all of a round's requests"
         assert tight.llm_engine.block_manager.num_free_blocks == 8
 
 
@@ -113,37 +125,31 @@ def test_state_rejects_bad_params():
     assert [h.token_ids for h in state.results()] == [[7], [8]]
 
 
-def test_group_returns_intents_instead_of_driving_the_scheduler():
+def test_group_runs_rounds_of_plain_requests_above_the_core():
     state = BeamSearchState(BeamSearchParams(2, 4, ignore_eos=True), eos_token_id=None)
-    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=state.num_candidates, ignore_eos=True)
-    first = Request("g#b0", [1, 2, 3], params, client_request_id="g")
-    group = BeamSearchGroup("g", None, state, first)
-    # Each beam reports its candidates, the token it sampled first (a core output's new logprobs).
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=state.num_candidates, ignore_eos=True)
+    group = BeamSearchGroup("g", None, [1, 2, 3], state, 0.0, params)
+    # Round 1: one request for the one beam there is, its prompt the search's prompt.
+    assert group.next_round() == [("g#b0", [1, 2, 3])]
+    # It reports its candidates (a core output's new logprobs: the sampled token first).
     assert group.on_sampled("g#b0", {7: -0.1, 8: -0.2, 9: -3.0, 10: -4.0})
-    # 7 continues in the beam that already holds it; 8 forks from it.
-    fork, resume = group.advance()
-    assert isinstance(fork, Fork) and fork.parent_req_id == "g#b0"
-    child = fork.child
-    assert (child.req_id, child.client_request_id, child.output_token_ids) == ("g#b1", "g", [8])
-    assert child.all_token_ids == [1, 2, 3, 8] and child.prompt_token_ids is first.prompt_token_ids
-    assert resume == Resume("g#b0") and group.beam_ids == ["g#b0", "g#b1"]
-    assert first.output_token_ids == [], "the group never writes a beam"
+    assert group.advance()
+    # Round 2: a request per surviving beam, prompt + the beam's tokens; ids taken by live sequences
+    # are skipped.
+    assert group.next_round(taken={"g#b1"}) == [("g#b2", [1, 2, 3, 7]), ("g#b3", [1, 2, 3, 8])]
+    assert not group.on_sampled("g#b2", {11: -0.1, 12: -0.2, 13: -3.0, 14: -4.0})
+    assert group.on_sampled("g#b3", {15: -5.0, 16: -6.0, 17: -7.0, 18: -8.0})
+    assert group.advance()
+    # Both winners come from beam 0 (7): 7 + 11 and 7 + 12.
+    assert [tokens for _, tokens in group.next_round()] == [[1, 2, 3, 7, 11], [1, 2, 3, 7, 12]]
     assert not any(isinstance(v, Request) for v in vars(group).values()), "it holds ids, not requests"
-    # Both winners of the next round come from the first beam: fork first, then free the loser.
-    assert not group.on_sampled("g#b0", {11: -0.1, 12: -0.2, 13: -3.0, 14: -4.0})
-    assert group.on_sampled("g#b1", {15: -5.0, 16: -6.0, 17: -7.0, 18: -8.0})
-    intents = group.advance()
-    assert [type(i) for i in intents] == [Fork, Finish, Resume]
-    # The fork's tokens are the group's own record of beam 0 (7), then its candidate 12.
-    assert (intents[0].parent_req_id, intents[0].child.output_token_ids) == ("g#b0", [7, 12])
-    assert intents[1] == Finish("g#b1", RequestStatus.FINISHED_ABORTED)
-    assert intents[2] == Resume("g#b0") and group.beam_ids == ["g#b0", "g#b2"]
 
 
 def test_discarded_beams_are_freed_at_once(tiny_llama):
-    """After every step the search holds at most ``beam_width`` live beams and ``beam_width`` finished
-    hypotheses: a discarded beam (its Request, its token lists, its blocks) is gone at once."""
-    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256, enable_prefix_caching=False)
+    """After every step the search holds at most ``beam_width`` live requests and ``beam_width``
+    finished hypotheses: a round's requests (their Request objects, their blocks) are gone once the
+    round ends."""
+    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256)
     engine = llm.llm_engine
     width, max_tokens = 4, 24
     prompt = [random.Random(5).randrange(5, 1000) for _ in range(40)]  # longer than any output
@@ -160,17 +166,12 @@ def test_discarded_beams_are_freed_at_once(tiny_llama):
             num_alive = sum(type(o) is Request and o.client_request_id == "beam" for o in gc.get_objects())
             assert num_alive <= width, (num_steps, num_alive)
             assert len(group.state.finished) <= width
-            # A beam's own lists are its generated tokens: the prompt is one list, shared by all.
-            shared = group.prompt_token_ids
-            beams = [engine.scheduler.requests[b] for b in group.beam_ids if b in engine.scheduler.requests]
-            assert all(b.prompt_token_ids is shared for b in beams)
-            long_lists = [v for b in beams for v in vars(b).values() if isinstance(v, list)]
-            assert all(v is shared for v in long_lists if len(v) >= len(prompt))
-            del long_lists, beams  # the next step's count must not see this step's beams through them
-            beam_ids = set(group.beam_ids) if engine.has_unfinished_requests() else set()
+            live = set(group.beam_ids)
+            assert {r for r in engine.scheduler.requests if r.startswith("beam#")} <= live
             held = {rid for rid in engine.block_manager.block_tables if rid.startswith("beam#")}
-            assert held <= beam_ids
+            assert held <= live
     finally:
         gc.enable()
     assert num_steps >= max_tokens
+    assert not engine.scheduler.requests and len(engine.runner.requests) <= width
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -8,7 +8,7 @@ import zlib
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpilot.engine.block_manager import BlockManager
@@ -217,9 +217,46 @@ def test_freed_cached_blocks_count_as_free_and_are_reused_by_a_later_request():
     bm.free(a)
     assert bm.num_free_blocks == 4 and bm.usage == 0.0
     b = make_request(list(range(1, 13)), req_id="b")
-    assert lookup(bm, b) == 8
-    assert bm.get_block_table("b") == table_a[:2]
-    assert bm.num_free_blocks == 2
+    # Both full blocks, and a's partly filled last block (tokens 9 and 10), which b continues.
+    assert lookup(bm, b) == 10
+    assert bm.get_block_table("b") == table_a
+    assert bm.num_free_blocks == 1
+
+
+def test_a_freed_requests_partial_block_is_continued_and_copied_when_shared():
+    """A freed request's last, partly filled block is found by requests continuing its tokens: one that
+    writes while another holds it copies it first; the last holder writes in place."""
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a = make_request([1, 2, 3, 4, 5, 6], req_id="a")  # a full block, then 5 6 in a partial one
+    admit(bm, a)
+    full, partial = bm.get_block_table("a")
+    bm.free(a)
+    b = make_request([1, 2, 3, 4, 5, 6, 7], req_id="b")
+    assert lookup(bm, b) == 6 and bm.get_block_table("b") == [full, partial]
+    c = make_request([1, 2, 3, 4, 5, 6, 8], req_id="c")
+    assert lookup(bm, c) == 6 and bm.get_block_table("c") == [full, partial]
+    assert bm.ref_counts[partial] == 2
+    assert bm.allocate_slots(b, 1)
+    (copy,) = [blk for blk in bm.get_block_table("b") if blk not in (full, partial)]
+    assert bm.get_block_table("b") == [full, copy] and bm.take_pending_copies() == [(partial, copy)]
+    assert bm.allocate_slots(c, 1)  # now the only holder
+    assert bm.get_block_table("c") == [full, partial] and bm.take_pending_copies() == []
+
+
+def test_writing_in_place_drops_what_the_blocks_other_keys_said_of_those_slots():
+    """b continues a's partial block and fills it (it gets a full key); c continues a's tokens
+    differently in the same block: the full key must go, or d would read c's KV as b's."""
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a = make_request([1, 2, 3, 4, 5, 6], req_id="a")
+    admit(bm, a)
+    bm.free(a)
+    b = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], req_id="b")
+    assert admit(bm, b) == 6  # fills the partial block with 7 8, and 9 in a new one
+    bm.free(b)
+    c = make_request([1, 2, 3, 4, 5, 6, 70, 80, 90], req_id="c")
+    assert admit(bm, c) == 6  # 5 6 of b's full block [5 6 7 8]; c writes 70 80 over 7 8 in place
+    d = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], req_id="d")
+    assert lookup(bm, d) == 6  # the full block [5 6 7 8] is gone; 5 6 are still there (c holds them)
 
 
 def _two_freed_requests():
@@ -250,9 +287,9 @@ def _grab(bm: BlockManager, num_blocks: int) -> list[int]:
     return bm.get_block_table("grab")
 
 
-def test_lru_evicts_uncached_blocks_then_the_least_recently_freed():
+def test_lru_evicts_the_least_recently_freed_blocks_first():
     bm, a_full, b_full = _two_freed_requests()
-    taken = _grab(bm, 4)  # 2 never-cached partial blocks, then a's two (freed before b's)
+    taken = _grab(bm, 4)  # a's three (its partial block too, freed before b's), then b's partial one
     assert set(a_full) <= set(taken) and not set(b_full) & set(taken)
     assert _hits(bm, [4, 4, 5, 5, 6], "pb") == 4
     assert _hits(bm, [1, 1, 2, 2, 3], "pa") == 0
@@ -260,7 +297,7 @@ def test_lru_evicts_uncached_blocks_then_the_least_recently_freed():
 
 def test_lru_evicts_a_requests_tail_before_its_prefix():
     bm, a_full, b_full = _two_freed_requests()
-    taken = _grab(bm, 3)
+    taken = _grab(bm, 2)  # a's partial block, then its second full block
     assert a_full[1] in taken and a_full[0] not in taken
     assert _hits(bm, [1, 1, 2, 2, 3], "pa") == 2
     assert _hits(bm, [4, 4, 5, 5, 6], "pb") == 4
@@ -385,12 +422,21 @@ def test_freeing_a_copy_target_drops_its_pending_copy():
 @st.composite
 def block_ops(draw):
     op = st.tuples(
-        st.sampled_from(["new", "grow", "fork", "fork", "free", "preempt", "step", "step"]),
+        st.sampled_from(["new", "grow", "fork", "fork", "cont", "free", "preempt", "step", "step"]),
         st.integers(0, 63),
         st.integers(1, 9),
     )
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(["random", "families", "rounds"]))
+    if kind == "random":
         ops = draw(st.lists(op, min_size=1, max_size=30))
+    elif kind == "rounds":
+        # Rounds of requests continuing freed ones (beam search above the core): each round's requests
+        # find the last round's blocks, partly filled ones too, and the round is freed after a step.
+        ops = [("new", draw(st.integers(0, 63)), draw(st.integers(1, 9))), ("step", 0, 1), ("free", 0, 1)]
+        for _ in range(draw(st.integers(1, 5))):
+            picks = draw(st.lists(st.tuples(st.integers(0, 63), st.integers(1, 3)), min_size=1, max_size=3))
+            ops += [("cont", pick, n) for pick, n in picks] + [("step", 0, 1)]
+            ops += [("free", 0, 1)] * len(picks)
     else:
         # Fork families (n > 1, beam search) decoding together in a pool that soon runs dry.
         ops = []
@@ -407,8 +453,16 @@ def _next_token(req) -> int:
     return 1 + zlib.crc32(f"{req.req_id}:{req.num_tokens}".encode()) % 3
 
 
+# b continues a and fills a's partial block; c continues a differently in the same block; d continues
+# b: d must not find b's block by its full key once c has written there.
+_OVERWRITTEN_CONTINUATION = [("new", 0, 6), ("step", 0, 1), ("free", 0, 1)] + [
+    op for pick, n in ((0, 3), (2, 2), (1, 1)) for op in (("cont", pick, n), ("step", 0, 1), ("free", 0, 1))
+]
+
+
 @settings(max_examples=500, deadline=None)
 @given(block_ops())
+@example((4, 12, True, _OVERWRITTEN_CONTINUATION))
 def test_random_ops_keep_ref_counts_and_kv_consistent(case):
     """Random admissions (sharing prefixes, also blocks keyed earlier in the same step), prefill
     chunks, forks, frees (between steps, as finishes and aborts come) and preemptions (of the newest
@@ -420,6 +474,7 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
     kv: dict[int, tuple] = {}
     live: list = []
     planned: dict[str, tuple] = {}  # req_id -> (request, tokens given slots this step)
+    freed: list[list[int]] = []  # the computed tokens of freed requests, for continuations
 
     def slot(req, p):
         return bm.block_tables[req.req_id][p // bs] * bs + p % bs
@@ -435,6 +490,7 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
     def preempt(victim):
         live.remove(victim)
         planned.pop(victim.req_id, None)  # its write never happens
+        freed.append(victim.all_token_ids[: victim.num_computed_tokens])
         bm.free(victim)
 
     def newest():
@@ -477,10 +533,21 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
         planned.clear()
 
     for i, (op, pick, n) in enumerate(ops):
-        if op == "new" or not live:
+        if op == "cont" and freed:
+            # A request continuing a freed one's tokens (a beam search's next round): it finds that
+            # request's blocks, its last partly filled one too, and writes on from there.
+            base = freed[pick % len(freed)]
+            req = make_request(base + [1 + (pick >> k) % 2 for k in range(n)], req_id=f"q{i}")
+            lookup(bm, req)
+            assert req.num_computed_tokens < req.num_tokens
+            if plan(req, req.num_tokens - req.num_computed_tokens):
+                live.append(req)
+            else:
+                bm.free(req)
+        elif op == "new" or not live:
             req = make_request([1 + (pick >> k) % 2 for k in range(n)], req_id=f"q{i}")
             lookup(bm, req)
-            assert req.num_computed_tokens % bs == 0 and req.num_computed_tokens < req.num_tokens
+            assert req.num_computed_tokens < req.num_tokens
             if plan(req, req.num_tokens - req.num_computed_tokens):
                 live.append(req)
             else:
@@ -500,6 +567,7 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
                 bm.fork(req, child)
                 live.append(child)
             elif op == "free" and req.req_id not in planned:  # finish or abort, between steps
+                freed.append(req.all_token_ids[: req.num_computed_tokens])
                 live.remove(req)
                 planned.pop(req.req_id, None)
                 bm.free(req)

@@ -93,9 +93,12 @@ def test_the_sequence_bounds_are_the_schedulers_live_ones():
     assert str(err).startswith("n=4 sequences exceed max_num_seqs (3)") and err.param == "n"
     with pytest.raises(InvalidRequestError, match=r"beam_width 4 exceeds max_num_seqs \(3\)"):
         proc.process_beam_search("b", [1, 2, 3], BeamSearchParams(beam_width=4, max_tokens=4))
-    state, first = proc.process_beam_search("b", [1, 2, 3], BeamSearchParams(beam_width=3, max_tokens=500))
-    # A search's max_tokens is clipped to the context left after the prompt.
-    assert state.params.max_tokens == 128 - 3 and first.req_id == "b#b0"
+    group = proc.process_beam_search("b", [1, 2, 3], BeamSearchParams(beam_width=3, max_tokens=500))
+    # A search's max_tokens is clipped to the context left after the prompt; its rounds are plain
+    # one-token requests.
+    assert group.state.params.max_tokens == 128 - 3
+    (first,) = proc.beam_requests(group, group.next_round())
+    assert (first.req_id, first.prompt_token_ids, first.sampling_params.max_tokens) == ("b#b0", [1, 2, 3], 1)
 
 
 def test_a_user_id_that_spells_a_queued_sequence_id_is_refused():
@@ -108,7 +111,8 @@ def test_a_user_id_that_spells_a_queued_sequence_id_is_refused():
     for spelled in ("x#0", "x#1"):
         err = refused(proc, spelled, [1, 2], SamplingParams())
         assert f"sequence id {spelled!r} is in use" in str(err) and err.param is None
-    state, first = proc.process_beam_search("y", [1, 2], BeamSearchParams(beam_width=2, max_tokens=4))
+    group = proc.process_beam_search("y", [1, 2], BeamSearchParams(beam_width=2, max_tokens=4))
+    (first,) = proc.beam_requests(group, group.next_round(proc.live_sequence_ids))
     sched.add_request(first)
     proc.live_sequence_ids.add(first.req_id)
     with pytest.raises(InvalidRequestError, match="'y#b0' is in use"):
