@@ -18,6 +18,10 @@ of medians and ratios that the README's benchmark section shows, and writes
     cd /tmp && python /path/to/benchmarks/side_by_side.py --rounds 2 \\
         --vllm-python ~/.cache/kvpilot-peer/vllm-venv/bin/python
 
+``--baseline DIR`` runs a second kvpilot checkout (``DIR`` on ``PYTHONPATH``) before the installed one in
+every round, against the same vLLM runs: a change's before and after in one run, each as a ratio to
+the peer and to each other.
+
 Checkpoints: ``$PEER/models/{tiny,small}`` built by the peer bench's ``make_tiny_model.py`` (``$PEER``
 defaults to ``~/.cache/kvpilot-peer``). kvpilot runs with this interpreter.
 """
@@ -37,9 +41,21 @@ RESULTS = HERE / "results"
 PEER_BENCH = HERE.parent.parent / "shared" / "peer-bench"
 
 
-def run(python: str, backend: str, model: Path, threads: int, preset: str, log: Path, **extra) -> dict:
-    """One fresh process of ``peer_throughput.py``; its RESULT line as a dict (``{}`` when it failed)."""
+def run(
+    python: str,
+    backend: str,
+    model: Path,
+    threads: int,
+    preset: str,
+    log: Path,
+    pythonpath: str | None = None,
+    **extra,
+) -> dict:
+    """One fresh process of ``peer_throughput.py``; its RESULT line as a dict (``{}`` when it failed).
+    ``pythonpath``: import kvpilot from that checkout instead of the installed one."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     if backend == "vllm":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else "auto"
     command = [python, str(PEER_BENCH / "peer_throughput.py"), "--backend", backend, "--model", str(model)]
@@ -71,6 +87,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the whole box")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' static batching")
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="a kvpilot checkout (a directory to put on PYTHONPATH) run before the installed one in every "
+        "round: before and after against the same peer runs",
+    )
     args = parser.parse_args()
     from kvpilot.kernels import isa
 
@@ -86,36 +108,40 @@ def main() -> None:
         for label, dtypes in settings:
             ours_dtype, their_dtype = dtypes.split(":")
             for setting, threads in (("1 compute thread each", 1), ("whole box", args.threads)):
-                got: dict[str, list[float]] = {"kvpilot": [], "vllm": []}
+                got: dict[str, list[float]] = {"baseline": [], "kvpilot": [], "vllm": []}
+                engines = [("kvpilot", "kvpilot", sys.executable, ours_dtype, None)]
+                if args.baseline:
+                    engines.insert(0, ("baseline", "kvpilot", sys.executable, ours_dtype, args.baseline))
+                engines.append(("vllm", "vllm", args.vllm_python, their_dtype, None))
                 for index in range(args.rounds):
-                    for backend, python, dtype in (
-                        ("kvpilot", sys.executable, ours_dtype),
-                        ("vllm", args.vllm_python, their_dtype),
-                    ):
-                        log = logs / f"sbs_{backend}_{name}_{label}_t{threads}_{index}.log"
-                        result = run(python, backend, model, threads, preset, log, dtype=dtype)
+                    for who, backend, python, dtype, pythonpath in engines:
+                        log = logs / f"sbs_{who}_{name}_{label}_t{threads}_{index}.log"
+                        result = run(python, backend, model, threads, preset, log, pythonpath, dtype=dtype)
                         runs.append(
                             {
                                 "model": name,
                                 "preset": preset,
                                 "dtypes": label,
                                 "setting": setting,
-                                "backend": backend,
+                                "backend": backend if who != "baseline" else "kvpilot-baseline",
                                 "dtype": dtype,
                                 **result,
                             }
                         )
                         value = result.get("output_tok_per_s")
                         print(
-                            f"{name} ({preset}), {label} ({dtype}), {setting}, round {index + 1}, {backend}: "
+                            f"{name} ({preset}), {label} ({dtype}), {setting}, round {index + 1}, {who}: "
                             f"{value} out tok/s",
                             flush=True,
                         )
                         if value:
-                            got[backend].append(value)
-                table.append(
-                    (f"{name} ({preset}), {label} ({dtypes}), {setting}", got["kvpilot"], got["vllm"])
-                )
+                            got[who].append(value)
+                row = f"{name} ({preset}), {label} ({dtypes}), {setting}"
+                if args.baseline:
+                    table.append((f"{row}: baseline vs peer", got["baseline"], got["vllm"]))
+                table.append((row, got["kvpilot"], got["vllm"]))
+                if args.baseline:
+                    table.append((f"{row}: kvpilot vs baseline", got["kvpilot"], got["baseline"]))
     if not args.no_hf:
         name, preset = models[0]
         hf = []

@@ -23,7 +23,7 @@ into ``RequestOutput`` objects. ``README.md`` beside this file walks one request
 * ``sampler``: logits -> next tokens (greedy, temperature, top-k/p, min-p, penalties, seeds).
 * ``output_processor``: updates -> outputs: detokenizing, stop strings, ``n > 1`` merge, beam search.
 * ``detokenizer``: incremental detokenization with stop strings that are never retracted.
-* ``beam_search``: which beams survive each step, as fork/finish intents the engine applies.
+* ``beam_search``: which beams survive each step; a search runs as rounds of plain one-token requests.
 * ``outputs``: ``RequestOutput``, ``CompletionOutput`` and the runner's ``ModelRunnerOutput``.
 * ``stats``: ``SchedulerStats`` and ``IterationStats``, what the stat loggers read after every step.
 * ``llm_engine``: ``LLMEngine``, the three calls wired together.

@@ -3,9 +3,10 @@
 The KV cache is ``num_blocks`` blocks of ``block_size`` token slots. Each request owns a block table:
 logical block ``i`` (tokens ``i*block_size .. (i+1)*block_size - 1``) lives in physical block
 ``block_table[i]``. Blocks are allocated on demand as tokens are scheduled, so only the last block of a
-request is ever partly filled. Blocks carry reference counts: prefix caching and ``fork`` (n > 1, beam
-search) let several requests point at the same physical block; a request about to write into a shared
-partial block first gets a private copy (copy-on-write), reported in ``pending_copies``.
+request is ever partly filled. Blocks carry reference counts: the prefix cache lets several requests
+point at the same physical block (prompts with a common prefix, the ``n`` sequences of one request, a
+beam search's rounds); a request about to write into a shared partly filled block first gets a
+private copy (copy-on-write), reported in ``pending_copies``.
 
 Swapping: with a CPU pool (``num_cpu_blocks``), ``swap_out`` moves a request's blocks to CPU blocks and
 ``swap_in`` brings them back into fresh device blocks. The copies themselves are the runner's job: it
@@ -236,6 +237,8 @@ class BlockManager:
         if not m or i >= len(table) or chain is None or len(chain) < i:
             return
         block = table[i]
+        if any(dst == block for _, dst in self.pending_copies):
+            return  # its copy on write has not run, and will not now that the request goes: it holds nothing
         key = (chain[i - 1] if i else None, tuple(req.token_slice(i * bs, i * bs + m)))
         if self._partial.get(key) != block:
             self._partial[key] = block
@@ -316,14 +319,6 @@ class BlockManager:
                     keyed.append(block)
             chain.append(parent)
         return keyed
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Make ``child`` share every block of ``parent`` (reference counted, copy-on-write)."""
-        table = self.block_tables[parent.req_id]
-        for block in table:
-            self.ref_counts[block] += 1
-        self.block_tables[child.req_id] = list(table)
-        self._key_chain[child.req_id] = list(self._key_chain[parent.req_id])
 
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, req: Request) -> bool:

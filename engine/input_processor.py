@@ -43,8 +43,8 @@ CLIP_TO_CONTEXT = ContextRule()
 
 @dataclass
 class NewRequest:
-    """A checked request, nothing of it queued yet: its prompt and the ``n`` sequences to queue (the
-    first is the one the others fork from)."""
+    """A checked request, nothing of it queued yet: its prompt and the ``n`` independent sequences to
+    queue (they share the prompt's blocks through the prefix cache)."""
 
     request_id: str
     prompt_text: str | None

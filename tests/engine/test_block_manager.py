@@ -328,40 +328,38 @@ def test_touching_a_cached_block_protects_it_from_eviction():
     assert bm.allocate_slots(b, 1) is False  # pool exhausted
 
 
-# ---------------------------------------------------------------------- fork and copy-on-write
-def test_fork_shares_blocks_by_reference():
-    bm = BlockManager(8, 4)
-    parent = make_request(6, req_id="p")
-    admit(bm, parent)
-    children = [make_request(6, req_id=f"c{i}") for i in range(3)]
-    for child in children:
-        bm.fork(parent, child)
-        child.num_computed_tokens = parent.num_computed_tokens
+# ---------------------------------------------------------------------- sharing and copy-on-write
+def continued(bm: BlockManager, prompt: list[int], ids: list[str]) -> list:
+    """Requests continuing a freed request's computed ``prompt``, each with one token of its own: they
+    share its blocks, the partly filled last one too (``ids[0]`` is admitted first)."""
+    base = make_request(prompt, req_id="base")
+    admit(bm, base)
+    bm.free(base)
+    reqs = []
+    for k, req_id in enumerate(ids):
+        req = make_request(prompt + [40 + k], req_id=req_id)
+        assert lookup(bm, req) == len(prompt)
+        reqs.append(req)
+    return reqs
+
+
+def test_continuations_share_blocks_by_reference():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    reqs = continued(bm, list(range(1, 7)), ["p", "c0", "c1", "c2"])
     table = bm.get_block_table("p")
-    assert all(bm.get_block_table(c.req_id) == table for c in children)
+    assert all(bm.get_block_table(r.req_id) == table for r in reqs)
     assert bm.get_block_table("c0") is not table  # own list, shared blocks
     assert [bm.ref_counts[b] for b in table] == [4, 4]
     assert bm.num_free_blocks == 8 - 2
-    for r in [parent, *children]:
+    for r in reqs:
         bm.free(r)
     assert bm.ref_counts == [0] * 8 and bm.num_free_blocks == 8
 
 
-def forked(bm: BlockManager, prompt_len: int):
-    """(parent "p", child "c"): a computed prompt of ``prompt_len`` tokens and its fork."""
-    parent = make_request(prompt_len, req_id="p")
-    admit(bm, parent)
-    child = make_request(prompt_len, req_id="c")
-    bm.fork(parent, child)
-    child.num_computed_tokens = prompt_len
-    return parent, child
-
-
 def test_copy_on_write_copies_a_shared_partial_block_exactly_once():
-    bm = BlockManager(8, 4)
-    parent, child = forked(bm, 6)  # blocks [full, partial (2 of 4)]
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    parent, child = continued(bm, list(range(1, 7)), ["p", "c"])  # blocks [full, partial (2 of 4)]
     full, partial = bm.get_block_table("p")
-    child.append_output_token(40)
     assert bm.allocate_slots(child, 1)
     new = bm.get_block_table("c")[1]
     assert new not in (full, partial)
@@ -370,8 +368,7 @@ def test_copy_on_write_copies_a_shared_partial_block_exactly_once():
     assert bm.take_pending_copies() == []
     assert (bm.ref_counts[full], bm.ref_counts[partial], bm.ref_counts[new]) == (2, 1, 1)
     child.num_computed_tokens += 1
-    # The parent is now the only holder of its partial block: it writes in place, no copy.
-    parent.append_output_token(41)
+    # The parent is now the only holder of the partial block: it writes in place, no copy.
     assert bm.allocate_slots(parent, 1)
     assert bm.get_block_table("p") == [full, partial]
     assert bm.take_pending_copies() == []
@@ -382,8 +379,8 @@ def test_copy_on_write_copies_a_shared_partial_block_exactly_once():
 
 
 def test_no_copy_when_the_shared_last_block_is_full():
-    bm = BlockManager(8, 4)
-    _, child = forked(bm, 8)
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    _, child = continued(bm, list(range(1, 9)), ["p", "c"])
     assert bm.allocate_slots(child, 1)
     assert bm.take_pending_copies() == []
     assert bm.get_block_table("c")[:2] == bm.get_block_table("p")
@@ -391,38 +388,41 @@ def test_no_copy_when_the_shared_last_block_is_full():
 
 
 def test_copy_on_write_is_all_or_nothing():
-    bm = BlockManager(2, 4)
-    _, child = forked(bm, 6)
+    bm = BlockManager(2, 4, enable_prefix_caching=True)
+    _, child = continued(bm, list(range(1, 7)), ["p", "c"])
     assert bm.allocate_slots(child, 1) is False
     assert bm.take_pending_copies() == []
     assert bm.get_block_table("c") == bm.get_block_table("p")
 
 
-def test_freeing_a_copy_target_drops_its_pending_copy():
-    # Two fork families copy-on-write in the same step; the first child is then preempted, so its
-    # fresh block goes back to the pool and is handed to the second child. Only the live copy may run.
-    bm = BlockManager(8, 4)
-    p1, p2 = make_request([1] * 6, req_id="p1"), make_request([2] * 6, req_id="p2")
-    admit(bm, p1)
-    admit(bm, p2)
-    c1, c2 = make_request([1] * 6, req_id="c1"), make_request([2] * 6, req_id="c2")
-    for parent, child in ((p1, c1), (p2, c2)):
-        bm.fork(parent, child)
-        child.num_computed_tokens = 6
+def test_freeing_a_copy_target_drops_its_pending_copy_and_keys_nothing():
+    """Two families copy on write in the same step; the first child is then preempted, so its fresh
+    block goes back to the pool and is handed to the second child. Only the live copy may run, and
+    the block the dropped copy never filled is found by no later request."""
+    bm = BlockManager(10, 4, enable_prefix_caching=True)
+    p1, c1 = continued(bm, [1] * 6, ["p1", "c1"])
+    base2 = make_request([2] * 6, req_id="base2")
+    admit(bm, base2)
+    bm.free(base2)
+    p2, c2 = (make_request([2] * 6 + [t], req_id=r) for t, r in ((50, "p2"), (51, "c2")))
+    assert lookup(bm, p2) == lookup(bm, c2) == 6
     assert bm.allocate_slots(c1, 1)
     dst1 = bm.get_block_table("c1")[1]
-    bm.free(c1)
+    bm.free(c1)  # preempted before its step ran
     assert bm.allocate_slots(c2, 1)
     dst2 = bm.get_block_table("c2")[1]
     assert dst2 == dst1  # the freed block is reused at once
     assert bm.take_pending_copies() == [(bm.get_block_table("p2")[1], dst2)]
+    bm.end_step()
+    again = make_request([1] * 6 + [41], req_id="again")
+    assert lookup(bm, again) == 6 and bm.get_block_table("again")[1] != dst1
 
 
 # ---------------------------------------------------------------------- properties
 @st.composite
 def block_ops(draw):
     op = st.tuples(
-        st.sampled_from(["new", "grow", "fork", "fork", "cont", "free", "preempt", "step", "step"]),
+        st.sampled_from(["new", "grow", "cont", "cont", "free", "preempt", "step", "step"]),
         st.integers(0, 63),
         st.integers(1, 9),
     )
@@ -438,12 +438,13 @@ def block_ops(draw):
             ops += [("cont", pick, n) for pick, n in picks] + [("step", 0, 1)]
             ops += [("free", 0, 1)] * len(picks)
     else:
-        # Fork families (n > 1, beam search) decoding together in a pool that soon runs dry.
+        # Families sharing one freed request's blocks, its partly filled last one too, decoding together
+        # in a pool that soon runs dry: the first to write into the shared block copies it.
         ops = []
         prompts = st.lists(st.tuples(st.integers(0, 63), st.integers(1, 9)), min_size=1, max_size=3)
         for pick, length in draw(prompts):
-            ops += [("new", pick, length), ("step", 0, 1)]
-        ops += [("fork", pick, 1) for pick in draw(st.lists(st.integers(0, 63), min_size=1, max_size=4))]
+            ops += [("new", pick, length), ("step", 0, 1), ("free", 0, 1)]
+        ops += [("cont", pick, 1) for pick in draw(st.lists(st.integers(0, 63), min_size=1, max_size=4))]
         ops += [("step", rotate, 1) for rotate in draw(st.lists(st.integers(0, 63), min_size=1, max_size=8))]
     # Mostly block sizes > 1: only those have partial blocks to copy on write.
     return draw(st.sampled_from([1, 2, 2, 4, 4])), draw(st.integers(2, 12)), draw(st.booleans()), ops
@@ -464,11 +465,12 @@ _OVERWRITTEN_CONTINUATION = [("new", 0, 6), ("step", 0, 1), ("free", 0, 1)] + [
 @given(block_ops())
 @example((4, 12, True, _OVERWRITTEN_CONTINUATION))
 def test_random_ops_keep_ref_counts_and_kv_consistent(case):
-    """Random admissions (sharing prefixes, also blocks keyed earlier in the same step), prefill
-    chunks, forks, frees (between steps, as finishes and aborts come) and preemptions (of the newest
-    request, even one already given slots this step), in steps where every request decodes one token
-    as in the scheduler, checked against a shadow KV cache: copies run first, then each request must
-    read back exactly its own prefix before writing."""
+    """Random admissions (sharing prefixes, also blocks keyed earlier in the same step, and freed
+    requests' partly filled blocks, copied on write), prefill chunks, frees (between steps, as
+    finishes and aborts come) and preemptions (of the newest request, even one already given slots
+    this step), in steps where every request decodes one token as in the scheduler, checked against a
+    shadow KV cache: copies run first, then each request must read back exactly its own prefix before
+    writing."""
     bs, num_blocks, caching, ops = case
     bm = BlockManager(num_blocks, bs, enable_prefix_caching=caching)
     kv: dict[int, tuple] = {}
@@ -560,12 +562,6 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
             req = live[pick % len(live)]
             if op == "grow" and req.req_id not in planned:
                 plan(req, n)
-            elif op == "fork" and req.req_id not in planned:
-                child = make_request(req.prompt_token_ids, req_id=f"q{i}")
-                child.output_token_ids = list(req.output_token_ids)
-                child.num_computed_tokens = req.num_computed_tokens
-                bm.fork(req, child)
-                live.append(child)
             elif op == "free" and req.req_id not in planned:  # finish or abort, between steps
                 freed.append(req.all_token_ids[: req.num_computed_tokens])
                 live.remove(req)
