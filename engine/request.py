@@ -81,12 +81,7 @@ class Request:
     def token_slice(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without building the whole list: the prompt is shared by every
         sequence made from it (the n > 1 siblings), never copied into each."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return joined_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,6 +105,16 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+
+def joined_slice(first: list[int], second: list[int], start: int, end: int) -> list[int]:
+    """``(first + second)[start:end]`` without joining the two lists."""
+    num_first = len(first)
+    if end <= num_first:
+        return first[start:end]
+    if start >= num_first:
+        return second[start - num_first : end - num_first]
+    return first[start:] + second[: end - num_first]
 
 
 def check_stop(req: Request, token: int) -> tuple[RequestStatus | None, int | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.engine.request import joined_slice
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler_output import SchedulerOutput
 
@@ -35,12 +36,7 @@ class CachedRequestState:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Prompt + output tokens ``[start:end]`` without joining the two lists."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return joined_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 class CachedRequests:

@@ -84,8 +84,7 @@ class Scheduler:
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (abort, a stop string matched by the detokenizer) and
-        free their blocks. Unknown or finished ids are ignored; returns the
-        requests finished."""
+        free their blocks. Unknown or finished ids are ignored; returns the requests finished."""
         done = []
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)

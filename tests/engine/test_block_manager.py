@@ -534,26 +534,23 @@ def test_random_ops_keep_ref_counts_and_kv_consistent(case):
             req.num_computed_tokens += n
         planned.clear()
 
+    def admit_new(tokens: list[int], req_id: str) -> None:
+        req = make_request(tokens, req_id=req_id)
+        lookup(bm, req)
+        assert req.num_computed_tokens < req.num_tokens
+        if plan(req, req.num_tokens - req.num_computed_tokens):
+            live.append(req)
+        else:
+            bm.free(req)
+
     for i, (op, pick, n) in enumerate(ops):
+        tokens = [1 + (pick >> k) % 2 for k in range(n)]
         if op == "cont" and freed:
             # A request continuing a freed one's tokens (a beam search's next round): it finds that
             # request's blocks, its last partly filled one too, and writes on from there.
-            base = freed[pick % len(freed)]
-            req = make_request(base + [1 + (pick >> k) % 2 for k in range(n)], req_id=f"q{i}")
-            lookup(bm, req)
-            assert req.num_computed_tokens < req.num_tokens
-            if plan(req, req.num_tokens - req.num_computed_tokens):
-                live.append(req)
-            else:
-                bm.free(req)
+            admit_new(freed[pick % len(freed)] + tokens, f"q{i}")
         elif op == "new" or not live:
-            req = make_request([1 + (pick >> k) % 2 for k in range(n)], req_id=f"q{i}")
-            lookup(bm, req)
-            assert req.num_computed_tokens < req.num_tokens
-            if plan(req, req.num_tokens - req.num_computed_tokens):
-                live.append(req)
-            else:
-                bm.free(req)
+            admit_new(tokens, f"q{i}")
         elif op == "step":
             step(pick)
         elif op == "preempt":
