@@ -169,6 +169,27 @@ MUTATIONS = [
         ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
     ),
     Mutation(
+        "uncomputed-block-stays-keyed",
+        "engine/block_manager.py",
+        "                    keyed.append(block)",
+        "                    pass",
+        ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
+    ),
+    Mutation(
+        "in-place-write-keeps-full-key",
+        "engine/block_manager.py",
+        "        full = self.block_keys[block]\n        if full is not None:",
+        "        full = self.block_keys[block]\n        if False:",
+        ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
+    ),
+    Mutation(
+        "dropped-copy-target-keyed",
+        "engine/block_manager.py",
+        "if any(dst == block for _, dst in self.pending_copies):",
+        "if False:",
+        ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
+    ),
+    Mutation(
         "leader-steps-down-late",
         "operator/leader.py",
         "if not renewed and self.clock() - (self.last_renewal or 0.0) >= cfg.renew_deadline:",
