@@ -18,6 +18,7 @@ into ``RequestOutput`` objects. ``README.md`` beside this file walks one request
   runner's state, one sequence's ``CoreOutput``.
 * ``request_queue``: the scheduler's FCFS queues, with O(1) removal (aborts) and safe iteration.
 * ``model_runner``: one rank's step on the model: flatten the batch, forward, sample; KV-pool sizing.
+* ``kv_cache``: one rank's KV block pools (one allocation for every layer) and its CPU swap pool.
 * ``runner_state``: the runner's own copy of the requests it runs, kept from the step messages.
 * ``memory``: how many KV blocks fit in the memory budget; the CPU swap pool.
 * ``sampler``: logits -> next tokens (greedy, temperature, top-k/p, min-p, penalties, seeds).
@@ -28,6 +29,7 @@ into ``RequestOutput`` objects. ``README.md`` beside this file walks one request
 * ``stats``: ``SchedulerStats`` and ``IterationStats``, what the stat loggers read after every step.
 * ``llm_engine``: ``LLMEngine``, the three calls wired together.
 * ``llm``: ``LLM``, the offline API.
+* ``engine_commands``: what crosses into the engine thread: inputs, typed commands, the engine protocol.
 * ``async_engine``: the engine on a background thread with per-request asyncio streams.
 * ``request_stream``: one call's output stream; a lagging consumer gets the deltas merged.
 * ``metrics`` / ``metrics_names``: the vLLM-named Prometheus metrics, and their names (dependency-free).

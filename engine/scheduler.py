@@ -159,12 +159,7 @@ class Scheduler:
             if not blocked:
                 budget, _ = self._start_queued(self.waiting, budget, scheduled, self._allocate_waiting)
 
-        items = self._runner_deltas(scheduled.values())
-        num_decode_tokens = sum(
-            1
-            for req, num_new in scheduled.values()
-            if num_new == 1 and req.num_computed_tokens >= req.num_prompt_tokens
-        )
+        items, num_decode_tokens = self._runner_deltas(scheduled.values())
         swap_out, swap_in = bm.take_pending_swaps()
         bm.end_step()  # every block allocated so far is computed by this step's forward
         forget, self._runner_forget = self._runner_forget, []
@@ -179,23 +174,27 @@ class Scheduler:
             num_decode_tokens=num_decode_tokens,
         )
 
-    def _runner_deltas(self, scheduled: Iterable[tuple[Request, int]]) -> list[ScheduledRequest]:
+    def _runner_deltas(self, scheduled: Iterable[tuple[Request, int]]) -> tuple[list[ScheduledRequest], int]:
         """Each request's slice of the step as a change to what the runner holds of it: everything when
         the runner does not hold it; else its output tokens since the last send and its block table from
         the block this step first writes into (the earlier ones are full and never change; that one may
-        have been replaced by a copy on write)."""
+        have been replaced by a copy on write). Also returns the step's decode tokens (single tokens fed
+        past the prompt), counted on the way."""
         tables = self.block_manager.block_tables
         bs = self.block_manager.block_size
         sent_outputs = self._runner_outputs
         items = []
+        num_decode_tokens = 0
         for req, num_new in scheduled:
             req_id = req.req_id
             start = req.num_computed_tokens
             outputs = req.output_token_ids
+            num_prompt = len(req.prompt_token_ids)
             table = tables[req_id]
             sent = sent_outputs.get(req_id)
             sent_outputs[req_id] = len(outputs)
-            do_sample = start + num_new == len(req.prompt_token_ids) + len(outputs)
+            do_sample = start + num_new == num_prompt + len(outputs)
+            num_decode_tokens += num_new == 1 and start >= num_prompt
             if sent is None:
                 new = NewRequestData(
                     req.prompt_token_ids, list(outputs), req.sampling_params, req.eos_token_id
@@ -206,7 +205,7 @@ class Scheduler:
                 items.append(
                     ScheduledRequest(req_id, start, num_new, do_sample, outputs[sent:], cut, table[cut:])
                 )
-        return items
+        return items, num_decode_tokens
 
     def _leave_runner(self, req: Request) -> None:
         """``req`` frees its blocks: the runner forgets it with the next step."""

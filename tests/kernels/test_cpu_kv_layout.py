@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.engine.model_runner import KVCache
+from kvpilot.engine.kv_cache import KVCache
 from kvpilot.kernels import cpu_ops, torch_ops
 
 from .conftest import DTYPES, assert_close, batch_spans, make_paged_batch, require_cpu_kernel
