@@ -22,10 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.errors import SamplingParamsError
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import FinishedRequestStats
+
+if TYPE_CHECKING:
+    from kvpilot.engine.output_processor import StepRecord
 
 
 @dataclass
@@ -204,7 +208,7 @@ class BeamSearchGroup:
             self.scheduled_time = scheduled_time
         self.num_preemptions += num_preemptions
 
-    def record_round(self, now: float, step) -> None:
+    def record_round(self, now: float, step: StepRecord) -> None:
         """The round ended at ``now``: its latency goes into the step's record (``StepRecord``), the
         first as the search's time to first token, the later ones as inter-token latencies."""
         if self.first_token_time is None:

@@ -175,3 +175,18 @@ def test_discarded_beams_are_freed_at_once(tiny_llama):
     assert num_steps >= max_tokens
     assert not engine.scheduler.requests and len(engine.runner.requests) <= width
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_search_counts_as_one_request_in_the_metrics(tiny_llama):
+    """Its rounds are internal requests: the stat loggers see one time to first token, one inter-token
+    latency per later round and one finished request with the search's prompt."""
+    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=256)
+    iters = []
+    llm.llm_engine.stat_loggers.append(StepCallback(lambda s, it: iters.append(it)))
+    prompt = [random.Random(11).randrange(5, 1000) for _ in range(20)]
+    llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(3, 6, ignore_eos=True))
+    finished = [f for it in iters for f in it.finished]
+    assert len(finished) == 1 and finished[0].num_prompt_tokens == 20
+    assert finished[0].num_generation_tokens == 6
+    assert sum(len(it.time_to_first_tokens) for it in iters) == 1
+    assert sum(len(it.inter_token_latencies) for it in iters) == 5
