@@ -93,9 +93,15 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         # The requests this runner holds, kept from step to step (see ``runner_state``).
         self.requests = CachedRequests()
-        # bfloat16 on CPU: weights reordered once into oneDNN's layout (bit-identical results, about
-        # 1.6x faster matmuls at decode batch sizes); the copies count as weights in KV sizing.
+        # On CPU: bfloat16 weights reordered once into oneDNN's layout (bit-identical results, about
+        # 1.6x faster matmuls at decode batch sizes), or float32 weights that are bfloat16 values kept
+        # as bfloat16 panels only (half the bytes); packed weights count as weights in KV sizing.
         self.packed_weight_bytes = prepack_cpu_linears(model) if device.type == "cpu" else 0
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights: its parameters and packed weights."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.packed_weight_bytes
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -331,9 +337,7 @@ class ModelRunner:
         collective: every rank must plan at the same time.
         """
         cfg, shard, dtype, device = self.model.config, self.model.shard, self.dtype, self.device
-        weights = (
-            sum(p.numel() * p.element_size() for p in self.model.parameters()) + self.packed_weight_bytes
-        )
+        weights = self.weight_bytes
         explicit = cache.is_sized_explicitly
         activation = 0
         budget = 0

@@ -13,9 +13,10 @@ them (``uses_amx()``; P rounded to bfloat16 for the PV product). See
 rotary in place, SiLU x up) used for bfloat16 activations, or None where the extension is not
 available; they round as the torch ops they replace (see ``kernels/csrc/fused_cpu.cpp``).
 
-``pack_bf16_panels(weight)`` and ``linear_bf16w(x, packed, n)``: a linear for few-token steps on CPUs
-without native bfloat16, float32 activations times bfloat16-stored weights widened in registers (see
-``kernels/csrc/linear_cpu.cpp``).
+``pack_bf16_panels(weight)`` and ``linear_bf16w(x, packed, n)``: the linears of a float32 model whose
+weights are bfloat16 values (a bfloat16 checkpoint on a CPU without native bfloat16), float32
+activations times bfloat16-stored weights widened in registers (see ``kernels/csrc/linear_cpu.cpp``);
+``linear_bf16w_path()`` names the inner loop this build runs.
 
 The extension is compiled on first use (``cpu_build``) and cached on disk; ``is_available()`` says
 whether it could be built or loaded, and never raises.
@@ -36,6 +37,7 @@ __all__ = [
     "fused_ops",
     "is_available",
     "linear_bf16w",
+    "linear_bf16w_path",
     "pack_bf16_panels",
     "paged_attention",
     "swap_blocks",
@@ -192,3 +194,10 @@ def linear_bf16w(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     if ext is None:
         raise RuntimeError("the CPU kernel extension is not available")
     return ext.linear_bf16w(x, packed, n)
+
+
+def linear_bf16w_path() -> str | None:
+    """The inner loop ``linear_bf16w`` runs in this build: ``"avx512"``, ``"avx2"`` or ``"portable"``;
+    None where the extension is not available."""
+    ext = load_extension()
+    return ext.linear_bf16w_path() if ext is not None else None

@@ -11,10 +11,18 @@ Each layer's ``weight_loader(param, loaded, shard_id=None)`` copies only this ra
 checkpoint tensor into ``param``. ``loaded`` is anything indexable like a tensor (a safetensors
 ``get_slice`` object reads only the indexed rows or columns, so no rank materialises the full tensor).
 
-On CPU in bfloat16, ``prepack_cpu_linears(model)`` gives each linear (and the LM head) a copy of its
-weight in oneDNN's blocked layout, reordered once: ``F.linear`` on a plain weight reorders it on
-every call. The results are bit for bit those of ``F.linear``; the plain weight stays the parameter
-(loaders, tied embeddings and ``state_dict`` see no change).
+On CPU, ``prepack_cpu_linears(model)`` gives each linear (and the LM head) a packed weight, once the
+weights are loaded:
+
+- bfloat16: a copy in oneDNN's blocked layout, reordered once (``F.linear`` on a plain weight reorders
+  it on every call). The results are bit for bit those of ``F.linear``; the plain weight stays the
+  parameter (loaders, tied embeddings and ``state_dict`` see no change).
+- float32 whose every weight is a bfloat16 value (a bfloat16 checkpoint computed in float32 on a CPU
+  without native bfloat16): ``PanelWeight``, the weight in bfloat16 panels that the C++ kernel widens
+  in registers (``cpu_ops.linear_bf16w``). The float32 parameter is emptied, so the weights take half
+  the memory and a step reads half the bytes; a tied embedding looks its rows up in the panels. The
+  products are float32 products of the same values, summed in another order than ``F.linear``'s
+  (within float32 summation's bound of each other). Loading weights again needs a new model.
 """
 
 from __future__ import annotations
@@ -79,12 +87,51 @@ def token_bucket(num_tokens: int) -> int:
     return -(-num_tokens // 256) * 256
 
 
+class PanelWeight:
+    """A float32 linear's weight, every value of which is a bfloat16, as the bfloat16 panels
+    ``[ceil(N / 16), K, 16]`` of ``cpu_ops.linear_bf16w`` (``op``: the extension's function)."""
+
+    __slots__ = ("op", "out_features", "panels")
+
+    def __init__(self, weight: torch.Tensor, op) -> None:
+        from kvpilot.kernels import cpu_ops
+
+        self.panels = cpu_ops.pack_bf16_panels(weight)
+        self.out_features = weight.shape[0]
+        self.op = op
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` in float32, ``x: [..., in_features]``."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        y = self.op(flat, self.panels, self.out_features)
+        if bias is not None:
+            y.add_(bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, float32 (a tied embedding's lookup)."""
+        return self.panels[ids // 16, :, ids % 16].float()
+
+
+def is_bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of the float32 ``weight`` is a bfloat16 (its low 16 bits are zero)."""
+    return weight.dtype == torch.float32 and not bool((weight.detach().view(torch.int32) & 0xFFFF).any())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the oneDNN-packed copy of ``weight`` when there is one
-    (``x: [num_tokens, in_features]`` zero-padded to ``token_bucket`` rows; rows are independent, so
-    the padding changes no real row's result)."""
+    """``F.linear(x, weight, bias)``, through the packed weight when there is one: a ``PanelWeight``,
+    or the oneDNN-packed copy of ``weight`` (``x: [num_tokens, in_features]`` zero-padded to
+    ``token_bucket`` rows; rows are independent, so the padding changes no real row's result)."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if type(packed) is PanelWeight:
+        return packed.matmul(x, bias)
     num_tokens = x.shape[0]
     rows = token_bucket(num_tokens) if x.dim() == 2 else num_tokens
     if rows == num_tokens:
@@ -119,11 +166,26 @@ def _prepack_works() -> bool:
     return _PREPACK_OK
 
 
+def _panel_op():
+    """The extension's ``linear_bf16w`` where its build has a vector path for it (AVX2 or AVX-512),
+    else None: the portable loop is not measured to beat ``F.linear``."""
+    from kvpilot.kernels import cpu_ops
+    from kvpilot.kernels.cpu_build import load_extension
+
+    if cpu_ops.linear_bf16w_path() not in ("avx2", "avx512"):
+        return None
+    return load_extension().linear_bf16w
+
+
 def prepack_cpu_linears(model: nn.Module, batch_hint: int = 64) -> int:
-    """Give every linear layer of ``model`` whose weight ``can_prepack`` a oneDNN-packed copy of it
-    (``batch_hint``: the token count the layout is chosen for; any count runs). Call after the weights
-    are loaded; a later weight change needs another call. Returns the bytes the copies take."""
+    """Give every linear layer of ``model`` (and a tied LM head) a packed weight where one applies (see
+    the module doc): oneDNN's copy of a bfloat16 weight that ``can_prepack``, or a ``PanelWeight`` of
+    a float32 one that ``is_bf16_exact``, whose float32 parameter is then emptied. ``batch_hint``: the
+    token count oneDNN's layout is chosen for; any count runs. Call once, after the weights are
+    loaded. Returns the bytes the packed weights take."""
     total = unpacked = 0
+    panel_layers = 0
+    panel_op = False  # not looked up yet
     # An embedding table is a matmul operand only where it serves as the (tied) output projection.
     tied_head = getattr(model, "embed_tokens", None) if getattr(model, "lm_head", False) is None else None
     for module in model.modules():
@@ -138,11 +200,27 @@ def prepack_cpu_linears(model: nn.Module, batch_hint: int = 64) -> int:
                 total += weight.numel() * weight.element_size()
             elif weight.dtype == torch.bfloat16:
                 unpacked += 1
+            elif weight.dim() == 2 and is_bf16_exact(weight):
+                if panel_op is False:
+                    panel_op = _panel_op()
+                if panel_op is None:
+                    continue
+                module.packed_weight = PanelWeight(weight, panel_op)
+                module.weight.data = weight.new_empty(0)
+                total += module.packed_weight.nbytes
+                panel_layers += 1
     if unpacked:
         LOG.warning(
             "bfloat16 linears run unpacked (%d layers): this torch's oneDNN packed linear is missing or "
             "does not match F.linear on this CPU",
             unpacked,
+        )
+    if panel_layers:
+        LOG.info(
+            "float32 linears over bfloat16 weight panels (%d layers, %.1f MiB): the weights are bfloat16 "
+            "values, read at half their float32 size",
+            panel_layers,
+            total / (1 << 20),
         )
     return total
 
@@ -255,12 +333,22 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
         self.packed_weight = None  # the output projection's; see prepack_cpu_linears
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if type(self.packed_weight) is PanelWeight:  # the float32 table was emptied (prepack_cpu_linears)
+            return self.packed_weight.rows(ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        num_rows = (
+            self.packed_weight.out_features
+            if type(self.packed_weight) is PanelWeight
+            else self.weight.shape[0]
+        )
+        outside = (local < 0) | (local >= num_rows)
+        x = self._lookup(local.masked_fill(outside, 0))
         return self.comm.tp_all_reduce(x.masked_fill(outside[:, None], 0))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

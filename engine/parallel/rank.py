@@ -115,7 +115,7 @@ class Rank:
             rank=self.shard.rank,
             pid=os.getpid(),
             description=self.spec.layout.describe(self.shard.rank),
-            weight_bytes=sum(p.numel() * p.element_size() for p in self.runner.model.parameters()),
+            weight_bytes=self.runner.weight_bytes,
             kv_bytes_per_block=self.runner.kv_bytes_per_block,
         )
 

@@ -1,11 +1,14 @@
-// A linear layer for the few-token steps of decoding on CPUs without native bfloat16: float32 activations
-// times bfloat16-stored weights, widened to float32 in registers (a 16-bit shift: exact), accumulated in
-// float32 with FMA. The weights cross the memory bus at half their float32 size, which is what a decode
-// step's linears wait on; the products are the float32 products of the same values.
+// The linear layers of a float32 model whose weights are bfloat16 values (a bfloat16 checkpoint computed in
+// float32 on a CPU without native bfloat16): float32 activations times the weights stored in bfloat16,
+// widened to float32 in registers (a 16-bit shift: exact), accumulated in float32 with FMA. The weights
+// cross the memory bus at half their float32 size, which is what a decode step's linears wait on; the
+// products are the float32 products of the same values.
 //
 // The weight is packed in panels of 16 output columns, [ceil(N / 16), K, 16] (pack_bf16_panels in
 // cpu_ops.py): one panel streams sequentially, and one load of 32 bytes gives the 16 columns' weights of
-// one input feature. A tile of up to 6 token rows keeps 6 x 2 accumulators of 8 lanes in registers.
+// one input feature. A tile of up to 6 token rows keeps its accumulators in registers: 6 x 2 of 8 lanes
+// with AVX2, 6 of 16 lanes with AVX-512. Every output is summed by one thread in an order fixed by the
+// shapes alone, so the result does not depend on the thread count.
 #include "linear_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -37,7 +40,85 @@ inline float widen(uint16_t bits) {
 
 inline float widen(float v) { return v; }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+// One panel row of 16 columns is one 512-bit register.
+inline __m512 load16(const uint16_t* w) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+
+inline void store16(float* y, __m512 v, int cols) {
+  if (cols == kPanel) {
+    _mm512_storeu_ps(y, v);
+  } else {
+    _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << cols) - 1), v);
+  }
+}
+
+// R rows of x times one panel. A row's FMAs form a chain bound by the FMA latency: with few rows the
+// features are split over 4 (one or two rows) or 2 (three or four) streams of accumulators, summed in a
+// fixed order at the end, so the result does not depend on anything but the shapes.
+#define KVPILOT_ROW_FMA(r, k, acc, wv)                                               \
+  if constexpr (R > r) {                                                             \
+    acc##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * ldx + (k)]), wv, acc##r);        \
+  }
+#define KVPILOT_ROWS_FMA(k, acc, wv) \
+  KVPILOT_ROW_FMA(0, k, acc, wv)     \
+  KVPILOT_ROW_FMA(1, k, acc, wv)     \
+  KVPILOT_ROW_FMA(2, k, acc, wv)     \
+  KVPILOT_ROW_FMA(3, k, acc, wv)     \
+  KVPILOT_ROW_FMA(4, k, acc, wv)     \
+  KVPILOT_ROW_FMA(5, k, acc, wv)
+
+template <int R, typename W>
+void panel_tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy, int cols) {
+  static_assert(R >= 1 && R <= kRows, "a tile holds 1 to 6 rows");
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z;  // stream 0 (every feature when R > 4)
+  __m512 b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z;  // stream 1
+  __m512 c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z;  // streams 2 and 3 (R <= 2)
+  __m512 d0 = z, d1 = z, d2 = z, d3 = z, d4 = z, d5 = z;
+  int64_t k = 0;
+  if constexpr (R <= 2) {
+    for (; k + 4 <= K; k += 4) {
+      const __m512 w0 = load16(w + k * kPanel), w1 = load16(w + (k + 1) * kPanel);
+      const __m512 w2 = load16(w + (k + 2) * kPanel), w3 = load16(w + (k + 3) * kPanel);
+      KVPILOT_ROWS_FMA(k, a, w0)
+      KVPILOT_ROWS_FMA(k + 1, b, w1)
+      KVPILOT_ROWS_FMA(k + 2, c, w2)
+      KVPILOT_ROWS_FMA(k + 3, d, w3)
+    }
+    a0 = _mm512_add_ps(_mm512_add_ps(a0, b0), _mm512_add_ps(c0, d0));
+    a1 = _mm512_add_ps(_mm512_add_ps(a1, b1), _mm512_add_ps(c1, d1));
+  } else if constexpr (R <= 4) {
+    for (; k + 2 <= K; k += 2) {
+      const __m512 w0 = load16(w + k * kPanel), w1 = load16(w + (k + 1) * kPanel);
+      KVPILOT_ROWS_FMA(k, a, w0)
+      KVPILOT_ROWS_FMA(k + 1, b, w1)
+    }
+    a0 = _mm512_add_ps(a0, b0);
+    a1 = _mm512_add_ps(a1, b1);
+    a2 = _mm512_add_ps(a2, b2);
+    a3 = _mm512_add_ps(a3, b3);
+  }
+  (void)b4, (void)b5, (void)c2, (void)c3, (void)c4, (void)c5, (void)d2, (void)d3, (void)d4, (void)d5;
+  for (; k < K; ++k) {
+    const __m512 w0 = load16(w + k * kPanel);
+    KVPILOT_ROWS_FMA(k, a, w0)
+  }
+  if constexpr (R > 0) store16(y + 0 * ldy, a0, cols);
+  if constexpr (R > 1) store16(y + 1 * ldy, a1, cols);
+  if constexpr (R > 2) store16(y + 2 * ldy, a2, cols);
+  if constexpr (R > 3) store16(y + 3 * ldy, a3, cols);
+  if constexpr (R > 4) store16(y + 4 * ldy, a4, cols);
+  if constexpr (R > 5) store16(y + 5 * ldy, a5, cols);
+}
+#undef KVPILOT_ROWS_FMA
+#undef KVPILOT_ROW_FMA
+constexpr const char* kPath = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
 inline void load16(const uint16_t* w, __m256& lo, __m256& hi) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
@@ -114,6 +195,7 @@ void panel_tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, in
 }
 #undef KVPILOT_ROWS_FMA
 #undef KVPILOT_ROW_FMA
+constexpr const char* kPath = "avx2";
 #else
 // The portable loop: the compiler vectorises the 16 columns.
 template <int R, typename W>
@@ -131,6 +213,7 @@ void panel_tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, in
   }
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], sizeof(float) * cols);
 }
+constexpr const char* kPath = "portable";
 #endif
 
 template <typename W>
@@ -161,6 +244,8 @@ void panel_rows(const float* x, int64_t ldx, int64_t M, const uint16_t* panel, i
 }
 
 }  // namespace
+
+std::string linear_bf16w_path() { return kPath; }
 
 at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& w_packed, int64_t n_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_bf16w: x must be float32 [M, K]");

@@ -1069,6 +1069,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &kvpilot_cpu::silu_and_mul, "silu(gate) * up");
   m.def("write_kv_cache", &kvpilot_cpu::write_kv_cache, "Store K/V rows in their cache slots");
   m.def("linear_bf16w", &kvpilot_cpu::linear_bf16w, "float32 x times bfloat16-stored weight panels");
+  m.def("linear_bf16w_path", &kvpilot_cpu::linear_bf16w_path, "The inner loop linear_bf16w runs here");
   m.def("uses_amx", &uses_amx, "Whether bfloat16 prefill tiles run on AMX");
   m.def("parallel_width", &parallel_width, "Threads an at::parallel_for over n items runs on");
 }

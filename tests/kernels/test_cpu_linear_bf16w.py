@@ -60,3 +60,30 @@ def test_bad_shapes_are_refused(ext):
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.linear_bf16w(torch.randn(2, 8, dtype=torch.float64), packed, 20)
     assert cpu_ops.linear_bf16w(torch.randn(0, 8), packed, 20).shape == (0, 20)
+
+
+EXPECTED_PATH = {"portable": "portable", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+
+
+def test_each_level_runs_its_own_loop_and_no_thread_count_changes_a_bit(ext):
+    """The build of each ISA level names the loop it compiled (the default build: this CPU's best), and
+    the product is bit-identical on 1 and on every thread (each output is summed by one thread)."""
+    path = cpu_ops.linear_bf16w_path()
+    assert path == EXPECTED_PATH.get(ext, path) and path in set(EXPECTED_PATH.values())
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(200, 256, generator=gen)
+    packed = cpu_ops.pack_bf16_panels(weight)
+    before = torch.get_num_threads()
+    try:
+        outs = {}
+        for threads in sorted({1, 2, before}):
+            torch.set_num_threads(threads)
+            outs[threads] = [
+                cpu_ops.linear_bf16w(torch.randn(m, 256, generator=gen.manual_seed(m)), packed, 200)
+                for m in (1, 7, 130)
+            ]
+    finally:
+        torch.set_num_threads(before)
+    first = outs[1]
+    for got in outs.values():
+        assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True))
