@@ -29,7 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CATEGORIES = [
     ("paged_attention", "attention"),
     ("scaled_dot_product", "attention"),
-    ("linear", "linears"),
+    ("linear", "linears"),  # aten::linear and kvpilot::linear_bf16w
     ("addmm", "linears"),
     ("aten::mm", "linears"),
     ("matmul", "linears"),
@@ -124,12 +124,14 @@ def timed_phases(engine, steps: int) -> tuple[dict[str, float], float]:
 
 
 def label_attention(engine) -> None:
-    """Make the attention ops visible to the profiler: a C++ extension's pybind call is not a
-    dispatcher op, so its time would otherwise count as Python."""
+    """Make the attention ops and the weight-panel linears visible to the profiler: a C++
+    extension's pybind call is not a dispatcher op, so its time would otherwise count as Python."""
     import copy
     import dataclasses
 
     from torch.profiler import record_function
+
+    from kvpilot.engine.models.layers import PanelWeight
 
     def labelled(name, fn):
         def call(*a, **k):
@@ -153,6 +155,10 @@ def label_attention(engine) -> None:
     for module in engine.model.modules():
         if getattr(module, "backend", None) is b:
             module.backend = labelled_backend
+        # float32 linears over bfloat16 weight panels call the extension too.
+        packed = getattr(module, "packed_weight", None)
+        if type(packed) is PanelWeight:
+            packed.op = labelled("kvpilot::linear_bf16w", packed.op)
 
 
 def op_profile(engine, steps: int) -> dict[str, float]:

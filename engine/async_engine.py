@@ -368,6 +368,15 @@ class AsyncEngine:
         except RuntimeError:
             pass  # the loop closed between the check and the call (process shutting down)
 
+    def _count_errored(self) -> None:
+        """The loop died with sequences in flight: they end with ``finished_reason="error"``."""
+        try:
+            num_seqs = len(self.engine.output_processor.live_sequence_ids)
+            for stat_logger in self.engine.stat_loggers:
+                stat_logger.record_errored(num_seqs)
+        except Exception:  # the failure may have left the engine half updated: never fail the shutdown
+            logger.warning("could not count the failed sequences in the metrics", exc_info=True)
+
     def _die(self, exc: BaseException, log: bool = True) -> None:
         if log:
             logger.error("the engine loop died; the server reports unhealthy from now on", exc_info=exc)
@@ -378,6 +387,8 @@ class AsyncEngine:
         pending = self._applying + pending
         self._applying = []
         error = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}" if log else str(exc))
+        if log:
+            self._count_errored()
         for command in pending:
             if isinstance(command, AddRequests | Reconfigure):
                 # Whether it was still queued or half applied when the loop died, its caller gets the error.

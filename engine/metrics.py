@@ -42,6 +42,8 @@ REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )
+PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+PARAMS_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 # fmt: on
 
 
@@ -86,21 +88,26 @@ class PrometheusStatLogger(StatLoggerBase):
     ) -> None:
         self.model_name = model_name
         self.registry = registry = registry if registry is not None else CollectorRegistry()
-        label = [names.LABEL_MODEL_NAME]
+        # vLLM's label set for per-engine series: {engine="0", model_name=...}.
+        label = [names.LABEL_ENGINE, names.LABEL_MODEL_NAME]
+        engine = names.ENGINE_INDEX
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, label, registry=registry).labels(model_name)
+            return Gauge(name, doc, label, registry=registry).labels(engine, model_name)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(name.removesuffix("_total"), doc, label, registry=registry).labels(model_name)
+            metric = Counter(name.removesuffix("_total"), doc, label, registry=registry)
+            return metric.labels(engine, model_name)
 
         def histogram(name: str, doc: str, buckets) -> Any:
-            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(engine, model_name)
 
         def info(name: str, doc: str, keys: tuple[str, ...], config: dict[str, Any]) -> Gauge:
-            # Value 1; a key missing from ``config`` reads "None".
-            gauge = Gauge(name, doc, list(keys), registry=registry)
-            gauge.labels(**{k: _label(config.get(k)) for k in keys}).set(1)
+            # Value 1; a key missing from ``config`` reads "None". vLLM's own info metric carries the
+            # ``engine`` label too (a fixed value, so not part of ``keys``); kvpilot's do not.
+            fixed = {names.LABEL_ENGINE: engine} if name.startswith("vllm:") else {}
+            gauge = Gauge(name, doc, [*fixed, *keys], registry=registry)
+            gauge.labels(**fixed, **{k: _label(config.get(k)) for k in keys}).set(1)
             return gauge
 
         self.running = gauge(names.NUM_REQUESTS_RUNNING, "Number of sequences in model execution batches.")
@@ -111,6 +118,14 @@ class PrometheusStatLogger(StatLoggerBase):
             names.GPU_CACHE_USAGE_PERC, f"Deprecated alias of {names.KV_CACHE_USAGE_PERC}."
         )
         self.cpu_usage = gauge(names.CPU_CACHE_USAGE_PERC, "CPU swap-pool usage. 1 means 100 percent usage.")
+        by_reason = Gauge(
+            names.NUM_REQUESTS_WAITING_BY_REASON,
+            "Number of waiting sequences by reason: 'capacity' = waiting for room in the batch or the KV "
+            "pool; 'deferred' = held back by a transient constraint (never, in this engine).",
+            [*label, names.LABEL_REASON],
+            registry=registry,
+        )
+        self.waiting_by_reason = {r: by_reason.labels(engine, model_name, r) for r in names.WAITING_REASONS}
 
         self.preemptions = counter(names.NUM_PREEMPTIONS_TOTAL, "Cumulative number of preemptions.")
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Number of prefill tokens processed.")
@@ -123,19 +138,42 @@ class PrometheusStatLogger(StatLoggerBase):
         self.prefix_hits = counter(
             names.PREFIX_CACHE_HITS_TOTAL, "Prefix-cache hits, in prompt tokens found."
         )
+        self.prompt_tokens_cached = counter(
+            names.PROMPT_TOKENS_CACHED_TOTAL,
+            "Prompt tokens whose KV came from the prefix cache, once per sequence at its first token.",
+        )
         success = Counter(
             names.REQUEST_SUCCESS_TOTAL.removesuffix("_total"),
             "Count of finished sequences by finish reason.",
-            [names.LABEL_MODEL_NAME, names.LABEL_FINISHED_REASON],
+            [*label, names.LABEL_FINISHED_REASON],
             registry=registry,
         )
-        self.success = {reason: success.labels(model_name, reason) for reason in names.FINISHED_REASONS}
+        self.success = {
+            reason: success.labels(engine, model_name, reason) for reason in names.FINISHED_REASONS
+        }
+        refused = Counter(
+            names.REQUESTS_REFUSED_TOTAL.removesuffix("_total"),
+            "Requests answered with an error before reaching the engine, by reason.",
+            [names.LABEL_MODEL_NAME, names.LABEL_REASON],
+            registry=registry,
+        )
+        self.refused = {reason: refused.labels(model_name, reason) for reason in names.REFUSED_REASONS}
 
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token in seconds.", TTFT_BUCKETS
         )
         self.itl = histogram(
             names.INTER_TOKEN_LATENCY_SECONDS, "Inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+            "Decode time per output token (after the first) of finished sequences, in seconds.",
+            ITL_BUCKETS,
+        )
+        self.request_preemptions = histogram(
+            names.REQUEST_NUM_PREEMPTIONS,
+            "Number of times a finished sequence was preempted.",
+            PREEMPTION_BUCKETS,
         )
 
         def latency(name: str, doc: str) -> Any:
@@ -158,6 +196,14 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         self.request_generation_tokens = histogram(
             names.REQUEST_GENERATION_TOKENS, "Generated length of finished sequences.", token_buckets
+        )
+        self.request_params_n = histogram(
+            names.REQUEST_PARAMS_N, "The n parameter of finished sequences' requests.", PARAMS_N_BUCKETS
+        )
+        self.request_params_max_tokens = histogram(
+            names.REQUEST_PARAMS_MAX_TOKENS,
+            "The max_tokens parameter of finished sequences' requests (those that set one).",
+            token_buckets,
         )
         iteration_buckets = sorted(
             {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384} | {max_num_batched_tokens}
@@ -253,16 +299,20 @@ class PrometheusStatLogger(StatLoggerBase):
     def record_live_config(self, live: Any) -> None:
         """The run-time settings changed (``live_config.LiveConfig``): both info metrics show the new
         values from this scrape on (one label set each, the old one removed)."""
-        self._replace_info(self._config_info, names.CONFIG_LABELS, self._live_config, live.as_dict())
+        self._replace_info(self._config_info, names.CONFIG_LABELS, self._live_config, live.as_dict(), {})
         cache = {**self._cache_config, "preemption_mode": live.preemption_mode}
-        self._replace_info(self._cache_info, names.CACHE_CONFIG_LABELS, self._cache_config, cache)
+        engine = {names.LABEL_ENGINE: names.ENGINE_INDEX}
+        self._replace_info(self._cache_info, names.CACHE_CONFIG_LABELS, self._cache_config, cache, engine)
 
     @staticmethod
-    def _replace_info(gauge: Gauge, keys: tuple[str, ...], old: dict[str, Any], new: dict[str, Any]) -> None:
-        before = {k: _label(old.get(k)) for k in keys}
-        after = {k: _label(new.get(k)) for k in keys}
+    def _replace_info(
+        gauge: Gauge, keys: tuple[str, ...], old: dict[str, Any], new: dict[str, Any], fixed: dict[str, str]
+    ) -> None:
+        # ``fixed``: the labels that never change (``engine`` on vLLM's info metric), listed first.
+        before = {**fixed, **{k: _label(old.get(k)) for k in keys}}
+        after = {**fixed, **{k: _label(new.get(k)) for k in keys}}
         if before != after:
-            gauge.remove(*(before[k] for k in keys))
+            gauge.remove(*before.values())
             gauge.labels(**after).set(1)
         old.clear()
         old.update(new)
@@ -277,6 +327,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.prompt_tokens.inc(it.num_prompt_tokens)
         if it.num_generation_tokens:
             self.generation_tokens.inc(it.num_generation_tokens)
+        if it.num_cached_prompt_tokens:
+            self.prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
         self.iteration_tokens.observe(it.num_batched_tokens)
         for value in it.time_to_first_tokens:
             self.ttft.observe(value)
@@ -289,6 +341,8 @@ class PrometheusStatLogger(StatLoggerBase):
         """Refresh the gauges and scheduler-cumulative counters."""
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)
+        self.waiting_by_reason[names.WAITING_CAPACITY].set(sched.num_waiting)
+        self.waiting_by_reason[names.WAITING_DEFERRED].set(0)
         self.swapped.set(sched.num_swapped)
         self.kv_usage.set(sched.kv_cache_usage)
         self.gpu_usage_alias.set(sched.kv_cache_usage)
@@ -308,6 +362,15 @@ class PrometheusStatLogger(StatLoggerBase):
         if num_seqs > 0:
             self.success["abort"].inc(num_seqs)
 
+    def record_errored(self, num_seqs: int) -> None:
+        """Count ``num_seqs`` sequences the engine failed (``finished_reason="error"``)."""
+        if num_seqs > 0:
+            self.success[names.FINISHED_ERROR].inc(num_seqs)
+
+    def record_refused(self, reason: str) -> None:
+        """Count one request refused for ``reason`` (one of ``metrics_names.REFUSED_REASONS``)."""
+        self.refused[reason].inc()
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _advance(counter, seen: int, total: int) -> int:
@@ -324,6 +387,10 @@ class PrometheusStatLogger(StatLoggerBase):
             success.inc()
         self.request_prompt_tokens.observe(fin.num_prompt_tokens)
         self.request_generation_tokens.observe(fin.num_generation_tokens)
+        self.request_preemptions.observe(fin.num_preemptions)
+        self.request_params_n.observe(fin.n)
+        if fin.max_tokens is not None:
+            self.request_params_max_tokens.observe(fin.max_tokens)
         self.e2e.observe(max(0.0, fin.finished_time - fin.arrival_time))
         if fin.scheduled_time is not None:
             self.queue_time.observe(max(0.0, fin.scheduled_time - fin.arrival_time))
@@ -331,7 +398,11 @@ class PrometheusStatLogger(StatLoggerBase):
             if fin.first_token_time is not None:
                 self.prefill_time.observe(max(0.0, fin.first_token_time - fin.scheduled_time))
         if fin.first_token_time is not None:
-            self.decode_time.observe(max(0.0, fin.finished_time - fin.first_token_time))
+            decode_s = max(0.0, fin.finished_time - fin.first_token_time)
+            self.decode_time.observe(decode_s)
+            # The first token belongs to the prefill; a single-token sequence observes 0 (as vLLM).
+            num_decoded = fin.num_generation_tokens - 1
+            self.time_per_output_token.observe(decode_s / num_decoded if num_decoded > 0 else 0.0)
 
 
 class LoggingStatLogger(StatLoggerBase):

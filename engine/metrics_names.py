@@ -5,9 +5,10 @@ in prometheus-client, torch or transformers. Names are the *exposed* names, exac
 the Prometheus text format (counters carry their ``_total`` suffix; histograms expose
 ``<name>_bucket`` / ``<name>_sum`` / ``<name>_count``).
 
-Metrics are vLLM V1's, labelled ``model_name`` (the first ``--served-model-name``); info metrics carry
-no ``model_name`` label. Renames have broken autoscalers before, so the deprecated spellings that
-clients still query are listed in ``DEPRECATED_ALIASES``; readers should use ``canonical_name``.
+Metrics are vLLM V1's, labelled ``engine`` and ``model_name`` (the first ``--served-model-name``) as
+vLLM labels them; info metrics carry no ``model_name`` label. Renames have broken autoscalers before,
+so the deprecated spellings that clients still query are listed in ``DEPRECATED_ALIASES``; readers
+should use ``canonical_name``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from __future__ import annotations
 # ---------------------------------------------------------------------------------------------- labels
 LABEL_MODEL_NAME = "model_name"
 LABEL_FINISHED_REASON = "finished_reason"
-# Values of ``finished_reason`` (one series each, present from start-up at 0).
-FINISHED_REASONS = ("stop", "length", "abort")
+# vLLM labels every per-engine series ``engine="<index>"``; one engine per server here, so always "0".
+# A constant label: sums over a metric's series are unchanged by it.
+LABEL_ENGINE = "engine"
+ENGINE_INDEX = "0"
+# Values of ``finished_reason`` (one series each, present from start-up at 0). ``error``: a sequence
+# the engine could not finish (its loop died with it in flight). vLLM's ``repetition`` is left out:
+# this engine has no repetition detection, so nothing could ever end for that reason.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+FINISHED_ERROR = "error"
 
 # ---------------------------------------------------------------------------------------------- gauges
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -24,6 +32,14 @@ NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"  # sequences queued, preempte
 NUM_REQUESTS_SWAPPED = "vllm:num_requests_swapped"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # fraction 0..1 of KV blocks held by live sequences
 CPU_CACHE_USAGE_PERC = "vllm:cpu_cache_usage_perc"  # fraction 0..1 of the CPU swap pool in use
+# Waiting sequences by reason (``reason`` label), as vLLM splits them: ``capacity``, waiting for room in
+# the batch or the KV pool (every waiting sequence here); ``deferred``, held back by a transient
+# constraint (vLLM's LoRA budget or a grammar still compiling), which this engine never does: its
+# grammars compile before a request is queued.
+NUM_REQUESTS_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+WAITING_CAPACITY = "capacity"
+WAITING_DEFERRED = "deferred"
+WAITING_REASONS = (WAITING_CAPACITY, WAITING_DEFERRED)
 
 # ---------------------------------------------------------------------------------------------- counters
 NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
@@ -32,6 +48,9 @@ GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"  # labelled finished_reason
 PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"  # prompt tokens looked up
 PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"  # prompt tokens found
+# Prompt tokens whose KV came from the prefix cache, counted once per sequence when its prefill is done
+# (the hit counter above counts every lookup, a preempted sequence's second one too).
+PROMPT_TOKENS_CACHED_TOTAL = "vllm:prompt_tokens_cached_total"
 
 # ---------------------------------------------------------------------------------------------- histograms
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
@@ -43,7 +62,13 @@ REQUEST_DECODE_TIME_SECONDS = "vllm:request_decode_time_seconds"
 REQUEST_INFERENCE_TIME_SECONDS = "vllm:request_inference_time_seconds"
 REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
 REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+REQUEST_NUM_PREEMPTIONS = "vllm:request_num_preemptions"  # per finished sequence: times it was preempted
+# Per finished sequence: decode time over its tokens after the first (0 for a single token).
+REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS = "vllm:request_time_per_output_token_seconds"
 ITERATION_TOKENS_TOTAL = "vllm:iteration_tokens_total"  # a histogram despite the suffix (vLLM's name)
+# Per finished sequence: its request's ``n``, and its ``max_tokens`` when the request set one.
+REQUEST_PARAMS_N = "vllm:request_params_n"
+REQUEST_PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"
 
 # ---------------------------------------------------------------------------------------------- info
 # Value 1; the configuration is in the labels (CACHE_CONFIG_LABELS / MODEL_CONFIG_LABELS).
@@ -56,6 +81,15 @@ MODEL_CONFIG_INFO = "kvpilot_model_config_info"  # ours alone: Prometheus naming
 # Ours: the settings that change at run time (``POST /admin/config``), as in force at this scrape.
 CONFIG_INFO = "kvpilot_config_info"
 CONFIG_LABELS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode")
+
+# Ours: requests answered with an error before reaching the engine, by reason (one series each, at 0
+# from start-up). vLLM's ``vllm:admission_rejections`` counts its own queue bounds, not these.
+REQUESTS_REFUSED_TOTAL = "kvpilot_requests_refused_total"
+LABEL_REASON = "reason"
+REFUSED_QUEUE_FULL = "queue_full"  # 503: --max-waiting-requests sequences already waiting
+REFUSED_INVALID = "invalid_request"  # 400: a bad parameter, prompt or per-request bound
+REFUSED_TOO_LARGE = "request_too_large"  # 413: the body is over the size limit
+REFUSED_REASONS = (REFUSED_QUEUE_FULL, REFUSED_INVALID, REFUSED_TOO_LARGE)
 
 CACHE_CONFIG_LABELS = (
     "block_size",
@@ -104,6 +138,7 @@ GAUGES = (
     NUM_REQUESTS_SWAPPED,
     KV_CACHE_USAGE_PERC,
     CPU_CACHE_USAGE_PERC,
+    NUM_REQUESTS_WAITING_BY_REASON,
 )
 COUNTERS = (
     NUM_PREEMPTIONS_TOTAL,
@@ -112,6 +147,8 @@ COUNTERS = (
     REQUEST_SUCCESS_TOTAL,
     PREFIX_CACHE_QUERIES_TOTAL,
     PREFIX_CACHE_HITS_TOTAL,
+    PROMPT_TOKENS_CACHED_TOTAL,
+    REQUESTS_REFUSED_TOTAL,
 )
 HISTOGRAMS = (
     TIME_TO_FIRST_TOKEN_SECONDS,
@@ -123,6 +160,10 @@ HISTOGRAMS = (
     REQUEST_INFERENCE_TIME_SECONDS,
     REQUEST_PROMPT_TOKENS,
     REQUEST_GENERATION_TOKENS,
+    REQUEST_NUM_PREEMPTIONS,
+    REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+    REQUEST_PARAMS_N,
+    REQUEST_PARAMS_MAX_TOKENS,
     ITERATION_TOKENS_TOTAL,
 )
 INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO, CONFIG_INFO)

@@ -45,6 +45,9 @@ class SeqState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
+    # The request's ``n`` and ``max_tokens`` (None: not set), for the finished-request metrics.
+    params_n: int = 1
+    params_max_tokens: int | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -56,6 +59,7 @@ class SeqState:
         if m.first_token_time is None:
             step.ttfts.append(now - m.arrival_time)
             step.num_prompt_tokens += self.num_prompt_tokens
+            step.num_cached_prompt_tokens += out.num_cached_tokens
             m.first_token_time = now
         else:
             step.itls.append(now - m.last_token_time)
@@ -83,6 +87,8 @@ class SeqState:
                 first_token_time=m.first_token_time,
                 finished_time=now,
                 num_preemptions=m.num_preemptions,
+                n=self.params_n,
+                max_tokens=self.params_max_tokens,
             )
         )
 
@@ -94,6 +100,7 @@ class StepRecord:
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     num_prompt_tokens: int = 0  # prompt lengths of the sequences that produced their first token
+    num_cached_prompt_tokens: int = 0  # of those, the tokens the prefix cache held
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
@@ -173,7 +180,14 @@ class OutputProcessor:
         ]
         wants = params.logprobs is not None
         seqs = [
-            SeqState(i, len(prompt_token_ids), RequestMetrics(arrival_time), [] if wants else None)
+            SeqState(
+                i,
+                len(prompt_token_ids),
+                RequestMetrics(arrival_time),
+                [] if wants else None,
+                params_n=n,
+                params_max_tokens=params.max_tokens,
+            )
             for i in seq_ids
         ]
         state = RequestState(

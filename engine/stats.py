@@ -42,6 +42,8 @@ class FinishedRequestStats:
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
+    n: int = 1  # the request's ``n`` (its number of sequences)
+    max_tokens: int | None = None  # the request's ``max_tokens``; None when it set none
 
 
 @dataclass
@@ -64,6 +66,8 @@ class IterationStats:
     # Seconds from arrival to first token, for requests that produced their first token this step.
     time_to_first_tokens: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    # Of ``num_prompt_tokens``: those whose KV the prefix cache held when the sequence was scheduled.
+    num_cached_prompt_tokens: int = 0
 
     @property
     def step_s(self) -> float:
@@ -104,6 +108,7 @@ def make_iteration_stats(
     stats.time_to_first_tokens += record.ttfts
     stats.inter_token_latencies += record.itls
     stats.finished += record.finished
+    stats.num_cached_prompt_tokens = record.num_cached_prompt_tokens
     return stats
 
 
@@ -113,8 +118,9 @@ class StatLoggerBase(ABC):
 
     ``record`` is called after every step with what it did, and between steps (``iteration_stats``
     None) when adds or aborts changed the scheduler's state. ``record_aborted`` counts sequences aborted
-    from outside the engine (a client gone) and ``record_live_config`` sees the run-time settings
-    change; both do nothing unless a logger reports them.
+    from outside the engine (a client gone), ``record_errored`` those the engine failed, and
+    ``record_live_config`` sees the run-time settings change; each does nothing unless a logger
+    reports it.
     """
 
     @abstractmethod
@@ -122,6 +128,9 @@ class StatLoggerBase(ABC):
 
     def record_aborted(self, num_seqs: int) -> None:  # noqa: B027  (optional hook)
         pass
+
+    def record_errored(self, num_seqs: int) -> None:  # noqa: B027  (optional hook)
+        """``num_seqs`` sequences ended unfinished because the engine failed (its loop died)."""
 
     def record_live_config(self, live: LiveConfig) -> None:  # noqa: B027  (optional hook)
         pass

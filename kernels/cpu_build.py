@@ -12,6 +12,7 @@ missing or the build fails, ``load_extension()`` logs one line and returns None;
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -103,6 +104,8 @@ def isa_levels(flags: frozenset[str] | None = None) -> tuple[list[IsaLevel], lis
 
 _MARKER = "complete"
 _FAILED = "failed"
+_BUILD_LOCK = ".build.flock"
+_TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
 
 
 def cache_root() -> Path:
@@ -166,9 +169,26 @@ def _ninja_path() -> str:
 
 
 def _build(name: str, directory: Path, openmp: bool, target: tuple[str, ...] | None = None) -> ModuleType:
+    """Build (or, if another process built it meanwhile, import) the extension in ``directory``.
+
+    Builds of one directory are serialised by an ``flock`` of our own, which the OS releases when
+    its holder dies. torch's own build lock is a plain file that a killed build (a pod OOM-killed or
+    a server stopped mid-build) leaves behind, after which every later start would wait on it
+    forever; holding the ``flock``, any such file is stale and is removed first."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / _BUILD_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (directory / _MARKER).exists():
+            module = _import_built(name, directory)
+            if module is not None:
+                return module
+        (directory / _TORCH_LOCK).unlink(missing_ok=True)
+        return _run_build(name, directory, openmp, target)
+
+
+def _run_build(name: str, directory: Path, openmp: bool, target: tuple[str, ...] | None) -> ModuleType:
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
     old_path = os.environ.get("PATH")
     os.environ["PATH"] = _ninja_path()
     try:

@@ -30,6 +30,7 @@ from kvpilot.engine.server.errors import (
     bad_request,
     error_body,
     from_exception,
+    refusal_reason,
 )
 from kvpilot.engine.server.serving import ServerState
 
@@ -95,8 +96,15 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.add_middleware(ServerMiddleware, state=state)
 
+    def count_refusal(request: Request, error: APIError) -> None:
+        # Only the generation API: an admin call's 400 is no refused request.
+        reason = refusal_reason(error)
+        if reason is not None and state.metrics is not None and request.url.path.startswith("/v1/"):
+            state.metrics.record_refused(reason)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
+        count_refusal(request, exc)
         if exc.status >= 500 and exc.code != "server_overloaded":  # overload is routine: no log flood
             logger.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
         return exc.response()
@@ -116,11 +124,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        count_refusal(request, bad_request(str(exc)))
         return JSONResponse(error_body(str(exc), INVALID_REQUEST), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         error = from_exception(exc)
+        count_refusal(request, error)
         if error.status >= 500:  # a typed request error that got this far is the client's, not a bug
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return error.response()

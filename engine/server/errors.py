@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from kvpilot.engine import metrics_names
 from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
 INVALID_REQUEST = "invalid_request_error"
@@ -54,6 +55,18 @@ class ClientDisconnected(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def refusal_reason(error: APIError) -> str | None:
+    """The ``kvpilot_requests_refused_total`` reason of an answer: a full queue (503), an invalid
+    request or bound (400) or an oversized body (413); None for any other answer (not a refusal)."""
+    if error.status == 503 and error.code == "server_overloaded":
+        return metrics_names.REFUSED_QUEUE_FULL
+    if error.status == 413:
+        return metrics_names.REFUSED_TOO_LARGE
+    if error.status == 400:
+        return metrics_names.REFUSED_INVALID
+    return None
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -145,13 +145,15 @@ def failing_server(engine: LLMEngine, monkeypatch, num_good_steps: int, message:
         return real_step()
 
     monkeypatch.setattr(engine, "step", failing_step)
+    metrics = PrometheusStatLogger.from_engine(engine, "tiny")
+    monkeypatch.setattr(engine, "stat_loggers", [metrics])  # as launch.py attaches it
     state = ServerState(
         engine=AsyncEngine(engine),
         tokenizer=engine.tokenizer,
         served_model_names=["tiny"],
         model_dir=engine.model_dir,
         max_model_len=engine.max_model_len,
-        metrics=PrometheusStatLogger.from_engine(engine, "tiny"),
+        metrics=metrics,
     )
     return state, build_app(state)
 
@@ -179,7 +181,11 @@ def test_dead_engine_loop_fails_waiters_and_health(engine, monkeypatch):
                 assert "illegal memory access" in health.json()["error"]["message"]
                 again = await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=5)
                 assert again.status_code == 503
-                assert (await client.get("/metrics")).status_code == 200  # still scrapeable
+                scrape = await client.get("/metrics")
+                assert scrape.status_code == 200  # still scrapeable
+                # The one sequence in flight when the loop died ended with an error.
+                error = 'vllm:request_success_total{engine="0",finished_reason="error",model_name="tiny"}'
+                assert f"{error} 1.0" in scrape.text
 
             with pytest.raises(EngineDeadError):
                 await state.engine.add([PromptInput("late", [5, 6], greedy(2), time.monotonic())], False)
