@@ -1,12 +1,77 @@
-"""Incremental detokenization and stop-string matching."""
+"""Incremental detokenization and stop-string matching.
+
+A Hugging Face fast tokenizer is decoded with ``tokenizers``' ``DecodeStream``: one call into Rust per
+token, which decodes only the few tokens since the last emitted text. Any other tokenizer (a slow one,
+or one whose ``decode`` post-processes the text) falls back to two ``decode`` calls per token over a
+window kept by prefix/read offsets. Both emit the text a full decode of the sequence shows.
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+
+try:
+    from tokenizers import Tokenizer as _BackendTokenizer
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # tokenizers < 0.21 has no DecodeStream: every tokenizer takes the fallback
+    _BackendTokenizer = _DecodeStream = None
 
 # Prompt tokens kept as left context so that tokenizers which depend on it (SentencePiece's leading
 # space) decode the first output tokens the way a full decode would.
 _CONTEXT_TOKENS = 5
+# Further back (up to this many prompt tokens) for a context that decodes without a replacement
+# character: a context that starts or ends inside a character decodes differently once the rest of it
+# arrives.
+_MAX_CONTEXT_TOKENS = 24
+_REPLACEMENT = "\ufffd"
+
+# ``DecodeStream(ids=...)`` (primed with context in one call) arrived after ``DecodeStream`` itself;
+# without it the stream is primed by stepping through the context.
+_HAS_PREFILL = False
+if _DecodeStream is not None:
+    try:
+        _DecodeStream(ids=[], skip_special_tokens=True)
+        _HAS_PREFILL = True
+    except TypeError:
+        pass
+
+# The message ``DecodeStream.step`` raises when the window's new decode no longer starts with the text
+# it already emitted (byte-fallback runs that turn out invalid UTF-8 are decoded anew, one replacement
+# character per byte).
+_INVALID_PREFIX = "Invalid prefix encountered"
+
+# Text that ``clean_up_tokenization_spaces`` would change: a tokenizer whose ``decode`` leaves it as its
+# backend decodes it can be streamed (cached per tokenizer).
+_CLEANUP_PROBE = "a . b , c ! d ? e 's f n't g 'm h 've i 're j ' k"
+_cleanup_is_noop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stream_backend(tokenizer) -> _BackendTokenizer | None:
+    """The ``tokenizers.Tokenizer`` that a ``DecodeStream`` can decode ``tokenizer``'s ids with, so that
+    the streamed text equals ``tokenizer.decode``; None when the fallback must be used: no
+    ``DecodeStream`` in the installed ``tokenizers``, a slow (Python) tokenizer, or one whose ``decode``
+    cleans up tokenization spaces (the backend does not)."""
+    if _DecodeStream is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, _BackendTokenizer):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        try:
+            noop = _cleanup_is_noop.get(tokenizer)
+        except TypeError:  # not weakly referenceable: probe every time
+            noop = None
+        if noop is None:
+            ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
+            noop = tokenizer.decode(ids) == backend.decode(ids)
+            try:
+                _cleanup_is_noop[tokenizer] = noop
+            except TypeError:
+                pass
+        if not noop:
+            return None
+    return backend
 
 
 class StopStrings:
@@ -40,6 +105,22 @@ class StopStrings:
 _NO_STOPS = StopStrings(())
 
 
+def _left_context(prompt_token_ids: Sequence[int], decode) -> tuple[list[int], str]:
+    """The prompt's last tokens to decode the output after, and their text (``decode``): the shortest
+    suffix of at least ``_CONTEXT_TOKENS`` tokens (up to ``_MAX_CONTEXT_TOKENS``) that decodes without a
+    replacement character, else the last ``_CONTEXT_TOKENS``. A context that starts inside a character
+    would spoil a byte-fallback decoder's run of byte tokens that the output continues."""
+    n = len(prompt_token_ids)
+    shortest = min(_CONTEXT_TOKENS, n)
+    for i in range(shortest, min(n, _MAX_CONTEXT_TOKENS) + 1):
+        context = list(prompt_token_ids[n - i :])
+        text = decode(context)
+        if _REPLACEMENT not in text:
+            return context, text
+    context = list(prompt_token_ids[n - shortest :])
+    return context, decode(context)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text, one delta per token.
 
@@ -49,6 +130,9 @@ class IncrementalDetokenizer:
     ``include_stop_str_in_output``) and ``stop_string`` is set. ``pop_delta`` hands out streamed text,
     holding back the last ``len(longest stop) - 1`` characters so that no streamed text ever has to be
     taken back. ``stop_strings`` may be a shared ``StopStrings`` (the ``n`` sequences of a request).
+
+    A fast tokenizer (see ``stream_backend``) is decoded with a ``DecodeStream`` primed with the
+    prompt's last tokens (``uses_decode_stream``); any other with two ``decode`` calls per token.
     """
 
     def __init__(
@@ -68,14 +152,26 @@ class IncrementalDetokenizer:
         self.stops = stop_strings
         self.include_stop = include_stop_str_in_output
         self.max_stop_len = stop_strings.max_len
-        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # The decode window: ``_ids[_prefix_offset:_read_offset]`` was decoded into text already emitted
+        # (left context), ``_ids[_read_offset:]`` has not produced text yet.
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._backend = stream_backend(tokenizer)
+        self._stream = None
+        if self._backend is None:
+            self._ids = _left_context(prompt_token_ids, self._decode)[0]
+            self._read_offset = len(self._ids)
+        else:
+            self._restart(*_left_context(prompt_token_ids, self._backend_decode))
         # The text as pieces (joined on demand): appending a piece never copies what came before.
         self._pieces: list[str] = []
         self._len = 0
         self.stop_string: str | None = None
         self._emitted = 0
+
+    @property
+    def uses_decode_stream(self) -> bool:
+        """Whether tokens are decoded by a ``tokenizers`` ``DecodeStream`` (else by the fallback)."""
+        return self._stream is not None
 
     @property
     def text(self) -> str:
@@ -91,19 +187,103 @@ class IncrementalDetokenizer:
         """Append one token. After a stop-string match ``stop_string`` is set; later tokens are ignored."""
         if self.stop_string is not None:
             return
-        self._ids.append(token_id)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        new = self._stream_text(token_id) if self._stream is not None else self._offsets_text(token_id)
+        if not new:
             return
-        new = full[len(prefix) :]
         old_len = self._len
         self._pieces.append(new)
         self._len += len(new)
-        # The offsets only move forward: the decoded window stays a few tokens long.
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self.stops:
             self._match_stop(old_len, new)
+
+    # ------------------------------------------------------------------------- the two-decode fallback
+    def _offsets_text(self, token_id: int) -> str | None:
+        """The text ``token_id`` completes: the window's decode past the decode of its emitted part."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            return None
+        # The offsets only move forward: the decoded window stays a few tokens long.
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix) :]
+
+    # ------------------------------------------------------------------------- the DecodeStream path
+    def _backend_decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _restart(self, context: list[int], text: str, hold_incomplete: bool = True) -> None:
+        """A new stream whose left context is ``context`` (decoding to ``text``), counted as emitted.
+
+        A context whose text ends inside a character is stepped through, so that the output tokens
+        complete (and emit) that character as a full decode would show it; without
+        ``hold_incomplete`` (its text was emitted already) the stream starts empty instead."""
+        if text.endswith(_REPLACEMENT) and not hold_incomplete:
+            context, text = [], ""
+        self._ids = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        if _HAS_PREFILL and not text.endswith(_REPLACEMENT):
+            self._stream = _DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
+        else:
+            self._stream = _DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self._replay(context)
+
+    def _replay(self, token_ids: list[int]) -> str:
+        """Step ``token_ids`` through the stream (outside the window's book-keeping); their text. A
+        refused token starts an empty stream."""
+        pieces = []
+        for token_id in token_ids:
+            try:
+                new = self._stream.step(self._backend, token_id)
+            except Exception as e:
+                if not str(e).startswith(_INVALID_PREFIX):
+                    raise
+                self._stream = _DecodeStream(skip_special_tokens=self.skip_special_tokens)
+                new = self._stream.step(self._backend, token_id)
+            if new is not None:
+                pieces.append(new)
+        return "".join(pieces)
+
+    def _stream_text(self, token_id: int) -> str | None:
+        """The text ``token_id`` completes, from the stream; the window is kept alongside (without any
+        decoding) for the rare token the stream refuses."""
+        ids = self._ids
+        ids.append(token_id)
+        try:
+            new = self._stream.step(self._backend, token_id)
+        except Exception as e:
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            return self._recover()
+        if new is not None:
+            del ids[: self._read_offset]
+            self._read_offset = len(ids)
+        return new
+
+    def _recover(self) -> str | None:
+        """After the stream refused the last token (a new decode of its window no longer starts with the
+        text it emitted): that token's text as the fallback computes it, the window's decode past the
+        decode of its emitted part, so no text is lost; then a new stream primed with the window.
+
+        Text already handed out is never taken back, so where the full decode rewrote it (byte-fallback
+        bytes that turn out to be invalid UTF-8), the text keeps what was emitted."""
+        ids, read = self._ids, self._read_offset
+        prefix = self._backend_decode(ids[:read])
+        full = self._backend_decode(ids)
+        if full.endswith(_REPLACEMENT):
+            # Nothing complete at the end of this window (the stream's own, a suffix of it, was): the
+            # emitted part as context, the rest stepped through again.
+            held = ids[read:]
+            self._restart(ids[:read], prefix)
+            new = self._replay(held)
+            self._ids += held
+            if new:
+                self._read_offset = len(self._ids)
+            return new or None
+        window = ids[read:]
+        self._restart(window, self._backend_decode(window), hold_incomplete=False)
+        return full[len(prefix) :] or None
 
     def pop_delta(self, final: bool = False) -> str:
         """Text not handed out yet (all of it when ``final`` or after a stop match)."""
