@@ -51,6 +51,9 @@ class RemediationSettings:
     kv_usage_high: float
     waiting_high: float
     kv_usage_idle: float
+    waiting_min: float  # the queue-latency demand rule: requests waiting per replica at every scrape...
+    queue_time_high_s: float  # ...and a mean queue time above this, without a TTFT SLO
+    ttft_p99_slo_s: float | None  # ...or a TTFT p99 above this (spec.remediation.slo; None: no SLO)
     gpus_per_replica: int
     live: bool  # live levers apply (api.live.supports_live): a live relief first, the restart lever after
 
@@ -59,6 +62,7 @@ class RemediationSettings:
         """Read a spec that has its defaults applied and passed validation."""
         rem = spec["remediation"]
         limits, thresholds = rem["limits"], rem["thresholds"]
+        slo = (rem.get("slo") or {}).get("ttftP99Seconds")
         return cls(
             mode=rem["mode"],
             preemption_rate=float(rem["preemptionRate"]),
@@ -76,6 +80,9 @@ class RemediationSettings:
             kv_usage_high=float(thresholds["kvCacheUsageHigh"]),
             waiting_high=float(thresholds["requestsWaitingHigh"]),
             kv_usage_idle=float(thresholds["kvCacheUsageIdle"]),
+            waiting_min=float(thresholds["requestsWaitingMin"]),
+            queue_time_high_s=float(thresholds["queueTimeHighSeconds"]),
+            ttft_p99_slo_s=None if slo is None else float(slo),
             gpus_per_replica=int(spec["resources"]["gpusPerReplica"]),
             live=supports_live(dict(spec)),
         )

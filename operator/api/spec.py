@@ -49,7 +49,13 @@ DEFAULTS: dict[str, Any] = {
             "maxTensorParallelSize": 8,
             "maxPipelineParallelSize": 1,
         },
-        "thresholds": {"kvCacheUsageHigh": 0.9, "requestsWaitingHigh": 8, "kvCacheUsageIdle": 0.3},
+        "thresholds": {
+            "kvCacheUsageHigh": 0.9,
+            "requestsWaitingHigh": 8,
+            "kvCacheUsageIdle": 0.3,
+            "requestsWaitingMin": 1,
+            "queueTimeHighSeconds": 2,
+        },
     },
 }
 # Defaults of optional objects that only apply once the user sets the object.

@@ -28,7 +28,14 @@ import aiohttp
 
 from kvpilot.engine import metrics_names as m
 from kvpilot.operator.api import names
-from kvpilot.operator.remediation.metrics import PREEMPTIONS_CREATED, PROCESS_START, REQUIRED
+from kvpilot.operator.remediation.metrics import (
+    LATENCY_HISTOGRAMS,
+    PREEMPTIONS_CREATED,
+    PROCESS_START,
+    REQUEST_TOKEN_SUMS,
+    REQUESTS_FINISHED,
+    REQUIRED,
+)
 from kvpilot.operator.remediation.pods import Target
 from kvpilot.operator.remediation.scrape import Result
 
@@ -44,6 +51,11 @@ METRIC_NAMES = tuple(
             m.MODEL_CONFIG_INFO_ALIAS,
             PROCESS_START,
             PREEMPTIONS_CREATED,
+            # The optional series: the request-token sums the live relief sizes with, and the latency
+            # histograms of the demand rule that sees queues (every bucket, the sum and the count).
+            *REQUEST_TOKEN_SUMS,
+            REQUESTS_FINISHED,
+            *(f"{h}_{part}" for h in LATENCY_HISTOGRAMS for part in ("bucket", "sum", "count")),
         }
     )
 )

@@ -43,7 +43,7 @@ from kvpilot.operator.remediation.decision import (
     history_from_status,
 )
 from kvpilot.operator.remediation.policy import PRESSURE_EXIT_RATIO, decide
-from kvpilot.operator.remediation.signals import is_demand, is_storm
+from kvpilot.operator.remediation.signals import demand_of, is_storm
 from kvpilot.operator.remediation.window import MetricWindow
 
 MAX_HISTORY = 20
@@ -124,9 +124,9 @@ def pressure_condition(
     rate = f"{_round(window.preemption_rate)} preemptions/s per replica over {window.covered_s:.0f}s"
     if is_storm(window, s):
         return condition(PRESSURE, True, "PreemptionStorm", f"{rate} (threshold {s.preemption_rate:g})")
-    if is_demand(window, s):
-        message = f"KV cache {window.kv_usage:.0%} full and {window.waiting:.1f} requests waiting per replica"
-        return condition(PRESSURE, True, "Demand", message)
+    demand = demand_of(window, s)
+    if demand is not None:
+        return condition(PRESSURE, True, "Demand", f"demand: {demand.message}")
     was = previous or {}
     if was.get("status") == "True":
         if (

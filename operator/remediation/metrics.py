@@ -2,7 +2,11 @@
 :class:`Scrape`, and the engine's KV capacity and model shape from its info metrics.
 
 Pure: no I/O and no clock. Deprecated metric names (``vllm:gpu_cache_usage_perc``) count as their
-current ones.
+current ones. The latency histograms the demand rule reads (``vllm:time_to_first_token_seconds``,
+``vllm:request_queue_time_seconds``) are optional: one that no healthy engine emits (a NaN or negative
+sample, buckets that are not cumulative, no ``+Inf`` bucket, a count that is not the ``+Inf`` bucket's)
+is dropped and named in ``Scrape.dropped``, so it is never acted on, and the scrape stays usable for
+the signals that do not need it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ REQUIRED = (m.NUM_PREEMPTIONS_TOTAL, m.KV_CACHE_USAGE_PERC, m.NUM_REQUESTS_WAITI
 # maxNumSeqs to the KV pool with their mean; without them it falls back to shrinking (policy).
 REQUEST_TOKEN_SUMS = (m.REQUEST_PROMPT_TOKENS + "_sum", m.REQUEST_GENERATION_TOKENS + "_sum")
 REQUESTS_FINISHED = m.REQUEST_GENERATION_TOKENS + "_count"
+# Optional: the latency histograms of the demand rule that sees queues (signals.demand_of).
+LATENCY_HISTOGRAMS = (m.TIME_TO_FIRST_TOKEN_SECONDS, m.REQUEST_QUEUE_TIME_SECONDS)
 # The values a healthy engine can emit: (low, high) inclusive. Anything else is dropped as invalid.
 VALID_RANGE = {
     m.NUM_PREEMPTIONS_TOTAL: (0.0, math.inf),
@@ -48,6 +54,96 @@ class MetricsParseError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Histogram:
+    """A cumulative Prometheus histogram, its series summed: ``buckets`` are (upper bound ``le``,
+    cumulative count) pairs in bound order, ``+Inf`` last; ``sum`` and ``count`` its totals.
+
+    Counts since the process started, or (the result of :meth:`increase`) over an interval.
+    """
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+    count: float
+
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        return tuple(le for le, _ in self.buckets)
+
+    def increase(self, before: Histogram) -> Histogram | None:
+        """What was observed since ``before`` (an earlier scrape of the same process), or None when
+        the two do not line up (other bucket bounds) or a count fell: the sum, the count, or the
+        observations in any one bucket (then the difference would not be cumulative either)."""
+        if before.bounds != self.bounds:
+            return None
+        buckets = tuple((le, c - b) for (le, c), (_, b) in zip(self.buckets, before.buckets, strict=True))
+        delta = Histogram(buckets, self.sum - before.sum, self.count - before.count)
+        counts = [0.0] + [c for _, c in buckets]
+        if delta.sum < 0 or delta.count < 0 or any(b < a for a, b in zip(counts, counts[1:], strict=False)):
+            return None
+        return delta
+
+    def __add__(self, other: Histogram) -> Histogram:
+        """Two histograms with the same bucket bounds, bucket by bucket (other bounds: ValueError)."""
+        if other.bounds != self.bounds:
+            raise ValueError(f"bucket bounds differ: {self.bounds} vs {other.bounds}")
+        buckets = tuple((le, a + b) for (le, a), (_, b) in zip(self.buckets, other.buckets, strict=True))
+        return Histogram(buckets, self.sum + other.sum, self.count + other.count)
+
+
+def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
+    """The ``q``-quantile (0 < q <= 1) of cumulative ``buckets``, as Prometheus' ``histogram_quantile``
+    estimates it: linear interpolation within the bucket the rank falls in, the lowest bucket
+    starting at 0 (when its bound is positive); a rank in the ``+Inf`` bucket gives the highest finite
+    bound. None when the buckets hold no observation or cannot be interpolated (no ``+Inf`` bucket,
+    fewer than two buckets). Raises ValueError for ``q`` outside (0, 1]."""
+    if not 0 < q <= 1:
+        raise ValueError(f"a quantile is in (0, 1], got {q}")
+    if len(buckets) < 2 or buckets[-1][0] != math.inf:
+        return None
+    total = buckets[-1][1]
+    if not total > 0:
+        return None
+    rank = q * total
+    index = next(i for i, (_, count) in enumerate(buckets) if count >= rank)
+    if index == len(buckets) - 1:
+        return buckets[-2][0]
+    end, count = buckets[index]
+    if index == 0 and end <= 0:
+        return end
+    start = 0.0
+    if index > 0:
+        start, below = buckets[index - 1]
+        count -= below
+        rank -= below
+    return start + (end - start) * (rank / count) if count > 0 else None
+
+
+def _histogram(name: str, parts: dict[str, dict]) -> Histogram | str:
+    """The histogram ``name`` from its summed samples (``parts``: "buckets" le -> count, "sum",
+    "count"), or why no healthy engine exports it as it is."""
+    buckets = sorted(parts.get("buckets", {}).items())
+    if not buckets or buckets[-1][0] != math.inf:
+        return f"{name}: no +Inf bucket"
+    if "sum" not in parts or "count" not in parts:
+        return f"{name}: lacks its _sum or _count"
+    for (le_a, a), (le_b, b) in zip(buckets, buckets[1:], strict=False):
+        if b < a:
+            return f"{name}: buckets not cumulative (le={le_b:g}: {b:g} < le={le_a:g}: {a:g})"
+    if parts["count"] != buckets[-1][1]:
+        return f"{name}: _count {parts['count']:g} is not the +Inf bucket's {buckets[-1][1]:g}"
+    return Histogram(tuple(buckets), parts["sum"], parts["count"])
+
+
+def _histogram_sample(name: str) -> tuple[str, str] | None:
+    """(histogram, part) for a sample of a latency histogram (part: bucket, sum, count), else None."""
+    for histogram in LATENCY_HISTOGRAMS:
+        for part in ("bucket", "sum", "count"):
+            if name == f"{histogram}_{part}":
+                return histogram, part
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
 class Scrape:
     """One pod's ``/metrics`` at ``time`` (unix seconds).
 
@@ -61,6 +157,9 @@ class Scrape:
     prompt + output tokens of the requests finished so far and their count (None when not exported or
     not a finite non-negative number: optional, so they never make a scrape unusable).
     ``live_config``: the labels of ``kvpilot_config_info``, the run-time settings in force.
+    ``ttft`` / ``queue_time``: the ``vllm:time_to_first_token_seconds`` and
+    ``vllm:request_queue_time_seconds`` histograms (None when not exported or dropped as invalid);
+    ``dropped``: why each optional histogram that no healthy engine emits was dropped.
     """
 
     time: float
@@ -77,6 +176,9 @@ class Scrape:
     request_tokens: float | None = None
     requests_finished: float | None = None
     live_config: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    ttft: Histogram | None = None
+    queue_time: Histogram | None = None
+    dropped: tuple[str, ...] = ()
 
     @property
     def started(self) -> tuple[float | None, float | None]:
@@ -130,7 +232,22 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
     started: float | None = None
     invalid: list[str] = []
     optional: dict[str, float] = {}
+    histograms: dict[str, dict] = {}
+    bad_histograms: dict[str, str] = {}
     for name, labels, value in samples:
+        latency = _histogram_sample(name)
+        if latency is not None:
+            histogram, part = latency
+            parts = histograms.setdefault(histogram, {})
+            le = _bound(labels.get("le")) if part == "bucket" else 0.0
+            if not (math.isfinite(value) and value >= 0) or le is None:
+                bad_histograms.setdefault(histogram, f"{name}{_le(labels)}={value:g}")
+            elif part == "bucket":
+                buckets = parts.setdefault("buckets", {})
+                buckets[le] = buckets.get(le, 0.0) + value  # series of one engine: summed
+            else:
+                parts[part] = parts.get(part, 0.0) + value
+            continue
         if name in REQUEST_TOKEN_SUMS or name == REQUESTS_FINISHED:
             optional[name] = optional.get(name, 0.0) + value  # NaN or negative: dropped below
             continue
@@ -165,6 +282,13 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
     token_sums = [optional.get(name) for name in REQUEST_TOKEN_SUMS]
     finished = optional.get(REQUESTS_FINISHED)
     healthy = all(v is not None and math.isfinite(v) and v >= 0 for v in (*token_sums, finished))
+    latency: dict[str, Histogram] = {}
+    for histogram, parts in histograms.items():
+        result = bad_histograms.get(histogram) or _histogram(histogram, parts)
+        if isinstance(result, str):
+            bad_histograms[histogram] = result
+        else:
+            latency[histogram] = result
     return Scrape(
         time=float(time),
         preemptions=values.get(m.NUM_PREEMPTIONS_TOTAL),
@@ -180,7 +304,23 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
         request_tokens=sum(token_sums) if healthy else None,
         requests_finished=finished if healthy else None,
         live_config=live_config,
+        ttft=latency.get(m.TIME_TO_FIRST_TOKEN_SECONDS),
+        queue_time=latency.get(m.REQUEST_QUEUE_TIME_SECONDS),
+        dropped=tuple(bad_histograms[h] for h in LATENCY_HISTOGRAMS if h in bad_histograms),
     )
+
+
+def _bound(le: str | None) -> float | None:
+    """A bucket's upper bound from its ``le`` label (None: absent or not a number)."""
+    try:
+        bound = float(le)  # "+Inf" reads as inf
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(bound) else bound
+
+
+def _le(labels: Mapping[str, str]) -> str:
+    return f'{{le="{labels["le"]}"}}' if "le" in labels else ""
 
 
 @dataclasses.dataclass(frozen=True)

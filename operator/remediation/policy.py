@@ -8,7 +8,9 @@ In the order vLLM's tuning guide prescribes::
 
     pods of our last change fail after it ─► revert it (at once: the policy never makes things worse)
     data missing / stale / partial / invalid ─► nothing
-    demand: KV usage >= kvCacheUsageHigh and waiting/replica >= requestsWaitingHigh at every scrape
+    demand: KV usage >= kvCacheUsageHigh and waiting/replica >= requestsWaitingHigh at every scrape,
+            or waiting/replica >= requestsWaitingMin at every scrape and TTFT p99 > slo.ttftP99Seconds
+            (no SLO: mean queue time > queueTimeHighSeconds), whatever the KV usage (signals.demand_of)
         ─► addReplica (up to maxReplicas; at the bound, a storm falls through to the per-pod levers)
     storm: preemptions/s per replica > preemptionRate over a full window, covering it (storm_parts)
         ─► raiseGpuMemoryUtilization ─► lowerMaxNumSeqs ─► lowerMaxNumBatchedTokens
@@ -74,7 +76,7 @@ from kvpilot.operator.remediation.decision import (
 )
 from kvpilot.operator.remediation.metrics import ModelShape
 from kvpilot.operator.remediation.pods import RECENT_FAILURE_S
-from kvpilot.operator.remediation.signals import describe, is_demand, is_idle, is_storm
+from kvpilot.operator.remediation.signals import demand_of, describe, is_idle, is_storm
 from kvpilot.operator.remediation.window import MetricWindow
 
 # Step sizes. The memory fraction moves in steps of 0.05 (on an 80 GiB GPU: 4 GiB more KV cache);
@@ -319,8 +321,8 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
         return Decision(NONE, "not acting on incomplete data: " + "; ".join(window.problems or ("no pods",)))
 
     signals = describe(window, s)
-    storm, demand = is_storm(window, s), is_demand(window, s)
-    pressure = "demand" if demand else "storm" if storm else None
+    storm, demand = is_storm(window, s), demand_of(window, s)
+    pressure = "demand" if demand is not None else "storm" if storm else None
     step: _Step | None = None
     can_add = effective.replicas < s.limits.max_replicas and not _reverted(
         history, "replicas", effective.generation
@@ -341,23 +343,23 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
         why = f"back to the {to:g} before the live relief: {relief.durable.lever} rolled out"
         step = _Step(RESTORE_MAX_NUM_SEQS, "maxNumSeqs", relief.latest.to, to, why)
         cause = "relief no longer needed"
-    elif demand and can_add:
+    elif demand is not None and can_add:
         step = _Step(ADD_REPLICA, "replicas", effective.replicas, effective.replicas + 1, "serve the queue")
-        cause = f"demand (KV cache >= {s.kv_usage_high:.0%} and >= {s.waiting_high:g} waiting per replica)"
+        cause = f"demand ({demand.message})"
     elif storm:
         # At maxReplicas, demand that also preempts is relieved per pod: preemption wastes the work
         # the queue is waiting for.
         cause = "a preemption storm" + (
-            f" under demand at maxReplicas {s.limits.max_replicas}" if demand else ""
+            f" under demand at maxReplicas {s.limits.max_replicas}" if demand is not None else ""
         )
         step, skipped = _storm_ladder(window, s, effective, history)
         if step is None:
             reason = f"{cause}: {signals}; every lever is at its limit: {'; '.join(skipped)}"
             return Decision(NONE, reason, pressure=pressure, exhausted=True)
-    elif demand:
+    elif demand is not None:
         reason = (
-            f"demand, but replicas {effective.replicas} is at maxReplicas {s.limits.max_replicas} "
-            f"(raise limits.maxReplicas): {signals}"
+            f"demand ({demand.message}), but replicas {effective.replicas} is at maxReplicas "
+            f"{s.limits.max_replicas} (raise limits.maxReplicas): {signals}"
         )
         return Decision(NONE, reason, pressure=pressure, exhausted=True)
     elif is_idle(window, s):

@@ -8,7 +8,9 @@ scrape can make one): it is a reset only when the process that counted evidently
 new count already passed the old one between two scrapes), or when the next scrape keeps rising from
 the new base. A dip that the next scrape undoes is dropped. Until the next scrape settles it, the pod's
 data is bad (``PodSeries.problem``) and the policy does not act. The increase across a reset is the new
-value (what the restarted process counted), as in Prometheus' ``increase()``.
+value (what the restarted process counted), as in Prometheus' ``increase()``. Each point says
+whether it begins a new process (``Point.restarted``), so that the window reads the other counters a
+restarted engine starts afresh (its latency histograms) the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Point:
 
     scrape: Scrape
     preemptions: float  # cumulative since the series began, resets folded in
+    restarted: bool = False  # a counter reset lies between the point before and this one
 
 
 def _restarted(before: Scrape, after: Scrape) -> bool:
@@ -86,10 +89,10 @@ class PodSeries:
 
     def _reset(self, prev: Point, scrape: Scrape) -> None:
         self.resets.append(scrape.time)
-        self._append(scrape, prev.preemptions + (scrape.preemptions or 0.0))
+        self._append(scrape, prev.preemptions + (scrape.preemptions or 0.0), restarted=True)
 
-    def _append(self, scrape: Scrape, total: float) -> None:
-        self._points.append(Point(scrape, total))
+    def _append(self, scrape: Scrape, total: float, restarted: bool = False) -> None:
+        self._points.append(Point(scrape, total, restarted))
         self.problem = None
         horizon = scrape.time - self.retention_s
         while len(self._points) > 2 and self._points[1].scrape.time <= horizon:

@@ -11,20 +11,39 @@ at least ``MIN_COVERAGE`` of it and no gap between two of them longer than the s
 
 Nothing is inferred from data that is missing, stale, partial, invalid or unparsable: each such case
 becomes a line in ``MetricWindow.problems``, and the policy never acts on a window with problems.
+
+Latency (``MetricWindow.ttft_p99_s``, ``queue_time_s``): the increase of each pod's
+``vllm:time_to_first_token_seconds`` and ``vllm:request_queue_time_seconds`` histograms between the
+window's first and last scrape, summed over the pods, interval by interval; across a counter reset
+(``Point.restarted``) the increase is what the new process counted, as for preemptions. They are
+optional, and unknown (None) unless every pod exports them at every scrape of the window with valid
+data: a histogram dropped as invalid, or one that fell without a restart, is named in
+``MetricWindow.latency_invalid`` and never used.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from kvpilot.operator.remediation.metrics import Capacity, ModelShape, Scrape, capacity_of, shape_of
+from kvpilot.engine import metrics_names as m
+from kvpilot.operator.remediation.metrics import (
+    Capacity,
+    Histogram,
+    ModelShape,
+    Scrape,
+    capacity_of,
+    histogram_quantile,
+    shape_of,
+)
 from kvpilot.operator.remediation.pods import Failure
-from kvpilot.operator.remediation.series import PodSeries
+from kvpilot.operator.remediation.series import PodSeries, Point
 
 # A window is complete when its samples span at least this fraction of it.
 MIN_COVERAGE = 0.9
 MIN_SAMPLES = 3
+# The TTFT quantile the SLO bounds (spec.remediation.slo.ttftP99Seconds).
+TTFT_QUANTILE = 0.99
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +86,10 @@ class MetricWindow:
     capacity: Capacity | None = None
     shape: ModelShape | None = None
     mean_request_tokens: float | None = None  # prompt + output tokens of the requests finished in it
+    ttft_p99_s: float | None = None  # TTFT p99 of the requests whose first token came in it
+    num_first_tokens: float = 0.0  # how many requests got their first token in it (all pods)
+    queue_time_s: float | None = None  # mean queue time of the requests scheduled in it
+    latency_invalid: tuple[str, ...] = ()  # latency histograms not used because their data is invalid
 
     @property
     def not_running(self) -> tuple[Failure, ...]:
@@ -96,6 +119,8 @@ class _PodWindow:
     full: bool  # a scrape at or before the window start: the intervals cover the whole window
     finished: float = 0.0  # requests finished over the window (0: unknown, or a restart in it)
     finished_tokens: float = 0.0  # their prompt + output tokens
+    ttft: Histogram | str | None = None  # the increase over the window; str: invalid (why); None: absent
+    queue_time: Histogram | str | None = None
 
 
 def _finished(first: Scrape, last: Scrape) -> tuple[float, float]:
@@ -106,6 +131,27 @@ def _finished(first: Scrape, last: Scrape) -> tuple[float, float]:
     count = last.requests_finished - first.requests_finished
     tokens = last.request_tokens - first.request_tokens
     return (count, tokens) if count > 0 and tokens >= 0 else (0.0, 0.0)
+
+
+def _increase(
+    points: list[Point], name: str, get: Callable[[Scrape], Histogram | None]
+) -> Histogram | str | None:
+    """A latency histogram's increase over ``points`` (one pod's scrapes, oldest first), interval by
+    interval; across a counter reset, what the new process counted. None when a scrape lacks it (not
+    exported); why, when its data is invalid (dropped by the reader, or a fall without a restart)."""
+    total: Histogram | None = None
+    for a, b in zip(points, points[1:], strict=False):
+        before, after = get(a.scrape), get(b.scrape)
+        if before is None or after is None:
+            dropped = [d for p in (a, b) for d in p.scrape.dropped if d.startswith(name + ":")]
+            return dropped[0] if dropped else None
+        step = after if b.restarted else after.increase(before)
+        if step is None:
+            return f"{name}: fell without a restart, or its buckets changed"
+        if total is not None and total.bounds != step.bounds:
+            return f"{name}: its buckets changed across a restart"
+        total = step if total is None else total + step
+    return total
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -154,6 +200,8 @@ def _pod_window(series: PodSeries, now: float, window_s: float, max_gap_s: float
         full=first.scrape.time <= begin,
         finished=finished,
         finished_tokens=finished_tokens,
+        ttft=_increase(used, m.TIME_TO_FIRST_TOKEN_SECONDS, lambda scrape: scrape.ttft),
+        queue_time=_increase(used, m.REQUEST_QUEUE_TIME_SECONDS, lambda scrape: scrape.queue_time),
     )
 
 
@@ -244,7 +292,39 @@ def summarize(
         capacity=capacity,
         shape=shape,
         mean_request_tokens=_mean_request_tokens(windows),
+        **_latency(windows),
     )
+
+
+def _summed(pods: list[tuple[str, Histogram | str | None]], invalid: list[str]) -> Histogram | None:
+    """The pods' increases summed, or None when one lacks it (its reason added to ``invalid`` when it
+    is invalid data) or the pods' bucket bounds disagree."""
+    total: Histogram | None = None
+    for name, value in pods:
+        if isinstance(value, str):
+            invalid.append(f"pod {name}: {value}")
+            return None
+        if value is None:
+            return None
+        if total is not None and total.bounds != value.bounds:
+            invalid.append(f"pod {name}: its latency buckets differ from the other pods'")
+            return None
+        total = value if total is None else total + value
+    return total
+
+
+def _latency(windows: list[_PodWindow]) -> dict:
+    """The window's TTFT p99, first tokens, mean queue time and the invalid latency data (fields of
+    :class:`MetricWindow`)."""
+    invalid: list[str] = []
+    ttft = _summed([(w.name, w.ttft) for w in windows], invalid)
+    queue = _summed([(w.name, w.queue_time) for w in windows], invalid)
+    return {
+        "ttft_p99_s": histogram_quantile(TTFT_QUANTILE, ttft.buckets) if ttft is not None else None,
+        "num_first_tokens": ttft.count if ttft is not None else 0.0,
+        "queue_time_s": queue.sum / queue.count if queue is not None and queue.count > 0 else None,
+        "latency_invalid": tuple(invalid),
+    }
 
 
 def _mean_request_tokens(windows: list[_PodWindow]) -> float | None:

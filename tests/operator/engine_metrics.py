@@ -3,7 +3,9 @@
 ``EngineMetrics`` renders the text with prometheus-client, exactly as ``kvpilot serve`` does (same
 library, same metric names from ``metrics_names``, counters with their ``_created`` sample), so the
 reader is tested against the real exposition format. A new ``EngineMetrics`` is a restarted engine:
-its counter starts at 0 with a new creation time.
+its counter starts at 0 with a new creation time. With ``latency=True`` it also exports the latency
+histograms (time to first token, queue time) with the engine's buckets (vLLM's), empty until ``serve``
+observes requests; without, the exposition is the small one the other tests size their caps by.
 
 ``ScriptedEngine`` serves one on 127.0.0.1 (a thread), its preemption counter advancing at a set rate
 in real time: the "pod" of the operator integration tests. It also answers ``GET``/``POST
@@ -21,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpilot.engine import metrics_names as m
+from kvpilot.engine.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 
 class EngineMetrics:
@@ -41,6 +44,7 @@ class EngineMetrics:
         num_gpu_blocks_override: int | None = None,
         alias_only: bool = False,
         model_name: str = "llama",
+        latency: bool = False,
     ) -> None:
         self.registry = registry = CollectorRegistry()
         label = [m.LABEL_MODEL_NAME]
@@ -60,6 +64,18 @@ class EngineMetrics:
         self._generation_tokens = Histogram(
             m.REQUEST_GENERATION_TOKENS, "Generated length.", label, buckets=buckets, registry=registry
         ).labels(model_name)
+        self._ttft = self._queue_time = None
+        if latency:
+            self._ttft = Histogram(
+                m.TIME_TO_FIRST_TOKEN_SECONDS, "TTFT.", label, buckets=TTFT_BUCKETS, registry=registry
+            ).labels(model_name)
+            self._queue_time = Histogram(
+                m.REQUEST_QUEUE_TIME_SECONDS,
+                "Queue time.",
+                label,
+                buckets=REQUEST_LATENCY_BUCKETS,
+                registry=registry,
+            ).labels(model_name)
         cache = Gauge(m.CACHE_CONFIG_INFO, "Cache config.", list(m.CACHE_CONFIG_LABELS), registry=registry)
         cache_labels = dict.fromkeys(m.CACHE_CONFIG_LABELS, "None")
         cache_labels.update(
@@ -106,6 +122,17 @@ class EngineMetrics:
             for _ in range(count):
                 self._prompt_tokens.observe(prompt_tokens)
                 self._generation_tokens.observe(output_tokens)
+        return self
+
+    def serve(self, ttft_s: float, queue_s: float, count: int = 1) -> EngineMetrics:
+        """``count`` requests got their first token ``ttft_s`` seconds after arriving, of which they
+        spent ``queue_s`` waiting to be scheduled (needs ``latency=True``)."""
+        if self._ttft is None or self._queue_time is None:
+            raise ValueError("EngineMetrics(latency=True) exports the latency histograms; this one does not")
+        with self._lock:
+            for _ in range(count):
+                self._ttft.observe(ttft_s)
+                self._queue_time.observe(queue_s)
         return self
 
     @property

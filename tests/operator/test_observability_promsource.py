@@ -180,3 +180,62 @@ def test_an_unreachable_prometheus_is_a_failed_scrape():
 
     (result,) = asyncio.run(run())
     assert result.text is None and result.kind == "connection" and "Prometheus" in result.error
+
+
+class _Answer:
+    def __init__(self, body: dict) -> None:
+        self.status, self.body = 200, body
+
+    async def __aenter__(self) -> _Answer:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def json(self, content_type=None) -> dict:
+        return self.body
+
+
+class _FilteringPrometheus:
+    """Answers an instant query as Prometheus would over one pod's exposition: only the series whose
+    ``__name__`` the query's selector matches, with the pod's target labels added."""
+
+    def __init__(self, text: str, pod: str) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        self.series = [
+            ({"__name__": s.name, **s.labels, "namespace": NS, "pod": pod}, s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        ]
+
+    def get(self, url: str, params: dict) -> _Answer:
+        import re
+
+        names_re = re.search(r'__name__=~"((?:[^"\\]|\\.)*)"', params["query"]).group(1)
+        pattern = re.compile(names_re.encode().decode("unicode_escape"))
+        result = [
+            {"metric": labels, "value": [1000.0, repr(value)]}
+            for labels, value in self.series
+            if pattern.fullmatch(labels["__name__"])
+        ]
+        return _Answer({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+def test_the_prometheus_source_carries_the_latency_histograms_and_token_sums():
+    """The demand rule that sees queues reads the TTFT and queue-time histograms, the live relief the
+    request-token sums: the query must ask Prometheus for them, or that source never sees them."""
+    from kvpilot.operator.remediation.metrics import parse_scrape
+
+    engine = EngineMetrics(max_num_seqs=8, latency=True).set(kv=0.3, waiting=12, running=4)
+    engine.serve(ttft_s=4.0, queue_s=3.0, count=20)
+    pod = f"{NAME}-0"
+    source = PrometheusSource("http://prometheus:9090")
+    source._session = _FilteringPrometheus(engine.text(), pod)
+    (result,) = asyncio.run(source._batch(NS, [Target(NS, pod, "uid-0", "http://10.0.0.1:8000")]))
+    scrape = parse_scrape(result.text, result.time)
+    direct = parse_scrape(engine.text(), result.time)
+    assert direct.ttft is not None and direct.queue_time is not None
+    assert scrape.ttft == direct.ttft and scrape.queue_time == direct.queue_time
+    assert scrape.request_tokens == direct.request_tokens
+    assert scrape.requests_finished == direct.requests_finished
