@@ -1,7 +1,8 @@
 """Prompts in, requests out: tokenization, validation and the ``n > 1`` fan-out (torch-free).
 
 The one place a request is checked: everything it can be refused for (a duplicate id, ids outside the
-vocabulary, an empty prompt, a context past ``max_model_len``, more sequences than ``max_num_seqs``
+vocabulary (prompt, stop_token_ids, logit_bias), a structured-output constraint that does not compile,
+an empty prompt, a context past ``max_model_len``, more sequences than ``max_num_seqs``
 allows now, more KV than the whole cache holds) raises ``InvalidRequestError`` here, naming the field
 at fault, before anything is queued. The scheduler and the server check nothing a request carries.
 """
@@ -21,6 +22,7 @@ from kvpilot.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvpilot.engine.scheduler import Scheduler
+    from kvpilot.engine.structured_output import GrammarCompiler
 
 # How many offending values an error message quotes.
 _MAX_QUOTED = 5
@@ -71,8 +73,11 @@ class InputProcessor:
         scheduler: Scheduler,
         active_request_ids: Container[str],
         live_sequence_ids: Container[str],
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # Compiles structured-output constraints at admission; None: constrained requests are refused.
+        self.grammar_compiler = grammar_compiler
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.scheduler = scheduler
@@ -97,6 +102,22 @@ class InputProcessor:
                 f"got {bad_stops[:_MAX_QUOTED]}",
                 param="stop_token_ids",
             )
+        if params.logit_bias:
+            bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad_bias:
+                raise InvalidRequestError(
+                    f"logit_bias token ids must be below the vocabulary size {self.vocab_size}; "
+                    f"got {bad_bias[:_MAX_QUOTED]}",
+                    param="logit_bias",
+                )
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise InvalidRequestError(
+                    "structured outputs are not available with pipeline parallelism (the sampling rank "
+                    "runs in a worker process)",
+                    param="structured_outputs",
+                )
+            self.grammar_compiler.compile(params.structured_outputs)
         token_ids = self.prompt_token_ids(prompt, context.prompt_param)
         self._check_num_seqs(params.n, f"n={params.n} sequences exceed", "lower n", "n")
         self._check_context(len(token_ids), params.max_tokens, context)

@@ -32,6 +32,7 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.stats import SchedulerStats, StatLoggerBase, make_iteration_stats
+from kvpilot.engine.structured_output import GrammarCompiler
 from kvpilot.kernels.backend import get_backend
 
 logger = logging.getLogger("kvpilot.engine")
@@ -93,6 +94,12 @@ class LLMEngine(ShutdownOnExit):
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs need the matchers on the sampling rank: this process's runner samples
+        # unless a pipeline's last stage does (then constrained requests are refused at admission).
+        grammar_compiler = None
+        if self.runner.sampler is not None:
+            grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, config.eos_token_id)
+            self.runner.enable_structured_outputs(grammar_compiler)
         self.input_processor = InputProcessor(
             self.tokenizer,
             cfg.vocab_size,
@@ -100,6 +107,7 @@ class LLMEngine(ShutdownOnExit):
             self.scheduler,
             active_request_ids=self.output_processor,
             live_sequence_ids=self.output_processor.live_sequence_ids,
+            grammar_compiler=grammar_compiler,
         )
         self.num_steps = 0
         # Callables (SchedulerStats, IterationStats) -> None, called after every step.

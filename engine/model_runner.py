@@ -35,6 +35,7 @@ from kvpilot.engine.outputs import ModelRunnerOutput
 from kvpilot.engine.runner_state import CachedRequests, CachedRequestState
 from kvpilot.engine.sampler import PenaltyCounts, Sampler, SamplingRow
 from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
+from kvpilot.engine.structured_output import GrammarCompiler, StructuredOutputs
 from kvpilot.kernels.backend import AttentionBackend
 from kvpilot.kernels.metadata import AttentionMetadata
 
@@ -97,6 +98,16 @@ class ModelRunner:
         # 1.6x faster matmuls at decode batch sizes), or float32 weights that are bfloat16 values kept
         # as bfloat16 panels only (half the bytes); packed weights count as weights in KV sizing.
         self.packed_weight_bytes = prepack_cpu_linears(model) if device.type == "cpu" else 0
+        # The sampling rank's structured-output matchers (``enable_structured_outputs``); None: no
+        # request may be constrained.
+        self.structured_output: StructuredOutputs | None = None
+
+    def enable_structured_outputs(self, compiler: GrammarCompiler) -> None:
+        """Let constrained requests run here, their grammars compiled by ``compiler`` (the one the
+        input processor compiles with at admission, so the runner's compilations are cache hits).
+        Only the sampling rank holds matchers."""
+        if self.sampler is not None:
+            self.structured_output = StructuredOutputs(compiler)
 
     @property
     def weight_bytes(self) -> int:
@@ -160,7 +171,9 @@ class ModelRunner:
 
     def update_states(self, out: SchedulerOutput) -> list[CachedRequestState]:
         """Apply the step's changes to the requests this runner holds (every step, once); returns the
-        scheduled requests' states."""
+        scheduled requests' states. Matchers of the requests it forgets are released."""
+        if self.structured_output is not None and out.finished_req_ids:
+            self.structured_output.release(out.finished_req_ids)
         return self.requests.update(out)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
@@ -243,6 +256,13 @@ class ModelRunner:
             self._block_ops(out)
         if not out.scheduled:
             return ModelRunnerOutput([], [], []) if self.sampler is not None else None
+        # Constrained rows' masks fill on a worker thread while the forward runs (module doc of
+        # ``structured_output``); nothing happens here for a batch without constraints.
+        pending = None
+        if self.structured_output is not None:
+            pending = self.structured_output.start(
+                [state for item, state in zip(out.scheduled, states, strict=True) if item.do_sample]
+            )
         sampling: list[CachedRequestState] = []
         logits_parts: list[torch.Tensor] = []
         for a, b in split_micro_batches(out.scheduled, self.num_micro_batches):
@@ -274,7 +294,7 @@ class ModelRunner:
             )
             for s in sampling
         ]
-        sampled = self.sampler(logits, rows)
+        sampled = self.sampler(logits, rows, pending.result() if pending is not None else None)
         return ModelRunnerOutput(
             [state.req_id for state in sampling],
             sampled.token_ids,

@@ -1,10 +1,15 @@
 """Turn each sampling row's logits into the next token.
 
-Per row, in order: min_tokens masking (EOS / stop tokens banned until ``min_tokens`` are out) ->
-repetition / presence / frequency penalties -> greedy argmax, or temperature -> top-k -> top-p ->
-min-p -> a sample. Samples use the "exponential race" ``argmax(p / q)`` with ``q ~ Exp(1)``: a
+Per row, in order: ``logit_bias`` added -> the structured-output mask (``-inf`` on the tokens the
+row's grammar forbids; constrained rows only) -> min_tokens masking (EOS / stop tokens banned until
+``min_tokens`` are out, unless the grammar allows nothing else) -> repetition / presence / frequency
+penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> a sample. A batch with none of
+bias, mask, penalties, min_tokens and sampling is one argmax over the logits as they are.
+
+Samples use the "exponential race" ``argmax(p / q)`` with ``q ~ Exp(1)``: a
 seeded request draws ``q`` from a generator seeded by (seed, output index), so its tokens do not depend
-on what else is in the batch or on preemptions. Logprobs are of the raw model distribution.
+on what else is in the batch or on preemptions. Logprobs are of the raw model distribution (before
+bias and mask).
 ``Sampler.apply_penalties`` and ``Sampler.sampling_probs`` are the sampler's own steps, public so that
 they can be compared with other implementations on the same logits.
 """
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.structured_output import TokenMasks, unpack_bitmask
 
 _GREEDY_EPS = 1e-5
 
@@ -87,21 +93,31 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """``logits``: [len(rows), vocab] float32."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: TokenMasks | None = None
+    ) -> SamplerOutput:
+        """``logits``: [len(rows), vocab] float32. ``masks``: the constrained rows' allowed tokens
+        (None when no row is constrained)."""
         num_rows, vocab = logits.shape
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = None
         if any(k is not None for k in want_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        simple = all(
-            r.params.is_greedy and not r.params.has_penalties and not r.params.min_tokens for r in rows
+        simple = masks is None and all(
+            r.params.is_greedy
+            and not r.params.has_penalties
+            and not r.params.min_tokens
+            and not r.params.logit_bias
+            for r in rows
         )
         if simple:
             token_ids = _greedy(logits)
         else:
             logits = logits.clone()
+            self._apply_logit_bias(logits, rows)
+            if masks is not None:
+                self.apply_masks(logits, masks)
             self._apply_min_tokens(logits, rows)
             self.apply_penalties(logits, rows)
             token_ids = self._sample(logits, rows)
@@ -120,6 +136,24 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Add each row's ``logit_bias`` (token ids checked against the vocabulary at admission)."""
+        for i, r in enumerate(rows):
+            bias = r.params.logit_bias
+            if not bias:
+                continue
+            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, values)
+
+    @staticmethod
+    def apply_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
+        """Set the logits of the tokens each constrained row's grammar forbids to ``-inf``, in place."""
+        allowed = unpack_bitmask(masks.bitmask, logits.shape[1], logits.device)
+        idx = torch.tensor(masks.rows, dtype=torch.int64, device=logits.device)
+        logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(~allowed, float("-inf")))
+
+    @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         for i, r in enumerate(rows):
             if len(r.output_token_ids) >= r.params.min_tokens:
@@ -128,7 +162,11 @@ class Sampler:
             if r.eos_token_id is not None and not r.params.ignore_eos:
                 banned.append(r.eos_token_id)
             if banned:
-                logits[i, banned] = float("-inf")
+                row = logits[i]
+                kept = row[banned].clone()
+                row[banned] = float("-inf")
+                if r.params.structured_outputs is not None and not bool(row.isfinite().any()):
+                    row[banned] = kept  # the grammar is complete: ending wins over min_tokens
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -31,10 +31,15 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.server.limits import RequestLimits
+from kvpilot.engine.server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 logger = logging.getLogger("kvpilot.serve")
 
 ENV_API_KEY = "KVPILOT_API_KEY"
+# ``vllm serve``'s key variable, read after kvpilot's own so a script written for vLLM keeps working.
+ENV_VLLM_API_KEY = "VLLM_API_KEY"
+# All IPv4 interfaces: what ``vllm serve`` binds when ``--host`` is not given (it binds ``""``).
+DEFAULT_HOST = "0.0.0.0"
 _CHOICES = {
     "preemption_mode": PREEMPTION_MODES,
     "device": DEVICES,
@@ -42,7 +47,9 @@ _CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
 }
 _SCALARS = {int: int, float: float, str: str}
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# uvicorn's levels, as ``vllm serve --uvicorn-log-level`` takes them; "trace" is uvicorn's level 5.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_TRACE = 5
 # The per-request bounds (``RequestLimits`` fields): metavar and what the bound counts.
 _LIMIT_FLAGS = {
     "max_stop_sequences": ("N", "most 'stop' strings one request may carry"),
@@ -72,10 +79,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add the positional model, the server flags and one flag per engine argument to ``parser``."""
     parser = parser or argparse.ArgumentParser(prog="kvpilot serve", allow_abbrev=False)
-    parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory (or hub id)")
+    parser.add_argument(
+        "model",
+        metavar="MODEL_DIR",
+        nargs="?",
+        default=None,
+        help="local Hugging Face model directory (or hub id); or give it as --model",
+    )
 
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    server.add_argument(
+        "--model",
+        dest="model_flag",
+        default=None,
+        metavar="MODEL_DIR",
+        help="the model, as vllm serve takes it; the same as the positional MODEL_DIR",
+    )
+    server.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="address to listen on; the default is every IPv4 interface, as vllm serve's, so set "
+        "--api-key or bind 127.0.0.1 where the network is not trusted (default: %(default)s)",
+    )
     server.add_argument(
         "--port",
         type=_port,
@@ -93,8 +118,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on /v1/*, /openapi.json and /docs (default: "
-        f"${ENV_API_KEY}; /health and /metrics stay open). Surrounding whitespace is ignored (a key "
-        "file's final newline); an empty key is an error",
+        f"${ENV_API_KEY}, else ${ENV_VLLM_API_KEY}; /health and /metrics stay open). Surrounding "
+        "whitespace is ignored (a key file's final newline); an empty key is an error",
     )
     server.add_argument(
         "--max-waiting-requests",
@@ -110,6 +135,20 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         help="Jinja chat template replacing the tokenizer's: a file, or the template itself. A value "
         "with no '{{' or '{%%' that contains a path separator or ends in .jinja, .j2 or .txt is a "
         "file, which must exist",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="serve tool calls (tool_choice 'auto', the default when a request has tools, 'required' or "
+        "a named function): the output is read into tool_calls by --tool-call-parser, which it "
+        "requires. Without it, as with vllm serve, any tool_choice but 'none' is a 400",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        default=None,
+        help="the model's tool-call format, as vllm serve names it: 'hermes' (Hermes, Qwen: "
+        "<tool_call>{...}</tool_call>) or 'llama3_json' (Llama 3 JSON calls)",
     )
     server.add_argument(
         "--live-config-file",
@@ -136,14 +175,28 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         "top_k, min_p, repetition_penalty and max_tokens; 'vllm': built-in defaults "
         "(default: %(default)s)",
     )
-    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: %(default)s)")
+    server.add_argument(
+        "--log-level",
+        "--uvicorn-log-level",
+        dest="log_level",
+        type=str.lower,  # vLLM's scripts write INFO as often as info
+        choices=LOG_LEVELS,
+        default="info",
+        help="(default: %(default)s)",
+    )
     server.add_argument(
         "--log-format",
         choices=("text", "json"),
         default="text",
         help="'json' writes one JSON object per line (default: %(default)s)",
     )
-    server.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    server.add_argument(
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",
+        dest="disable_access_log",
+        action="store_true",
+        help="do not log every HTTP request",
+    )
     server.add_argument(
         "--disable-log-stats", action="store_true", help="do not log throughput and cache usage every 10 s"
     )
@@ -211,12 +264,26 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def resolve_model(positional: str | None, flag: str | None) -> str:
+    """The model to serve: the positional ``MODEL_DIR`` or ``--model`` (vllm serve takes both).
+    ConfigError when neither is given, or both are and differ."""
+    if positional is not None and flag is not None and positional != flag:
+        raise ConfigError(
+            f"the model is given twice and the two differ: MODEL_DIR {positional!r} and --model "
+            f"{flag!r}; give one of them"
+        )
+    model = positional if positional is not None else flag
+    if model is None:
+        raise ConfigError("no model given: pass MODEL_DIR or --model MODEL_DIR")
+    return model
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """The ``EngineArgs`` the parsed flags describe (raises ConfigError)."""
     values = {
         f.name: getattr(ns, f.name) for f in engine_arg_fields() if hasattr(ns, f.name) and f.name != "model"
     }
-    return EngineArgs(model=ns.model, **values)
+    return EngineArgs(model=resolve_model(ns.model, getattr(ns, "model_flag", None)), **values)
 
 
 # ---------------------------------------------------------------------------------------------- logging
@@ -252,7 +319,7 @@ def setup_logging(level: str, fmt: str) -> None:
     handler.setFormatter(_Formatter(fmt == "json"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(_TRACE if level == "trace" else level.upper())
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
@@ -264,13 +331,19 @@ def run(args: argparse.Namespace) -> int:
     graceful shutdown ends with the signal re-raised (uvicorn does so: exit -15 after SIGTERM)."""
     setup_logging(args.log_level, args.log_format)
     try:
+        args.model = resolve_model(args.model, args.model_flag)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    try:
         engine_args = engine_args_from(args)
     except ConfigError as exc:
         logger.error("invalid engine argument: %s", exc)
         return 2
     try:
-        api_key = resolve_api_key(args.api_key, os.environ.get(ENV_API_KEY))
+        api_key = resolve_api_key(args.api_key, os.environ.get(ENV_API_KEY), os.environ.get(ENV_VLLM_API_KEY))
         chat_template = read_chat_template(args.chat_template)
+        check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)
     except ConfigError as exc:
         logger.error("%s", exc)
         return 2
@@ -285,6 +358,16 @@ def run(args: argparse.Namespace) -> int:
         return serve(args, engine_args, api_key, chat_template, sock)
     finally:
         sock.close()
+
+
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """ConfigError when ``--enable-auto-tool-choice`` comes without ``--tool-call-parser`` (as vllm
+    serve refuses it): the server could not tell a call from text."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ConfigError(
+            "--enable-auto-tool-choice requires --tool-call-parser (one of: "
+            f"{', '.join(sorted(TOOL_CALL_PARSERS))})"
+        )
 
 
 def read_live_config_file(path: str | None) -> dict | None:
@@ -314,12 +397,15 @@ def request_limits_from(ns: argparse.Namespace) -> RequestLimits:
     return RequestLimits(**{name: getattr(ns, name) for name in _LIMIT_FLAGS})
 
 
-def resolve_api_key(flag: str | None, env: str | None) -> str | None:
-    """The key to require: ``--api-key`` if given, else ``$KVPILOT_API_KEY``, normalised by
-    :func:`normalize_api_key`; None when neither is set."""
+def resolve_api_key(flag: str | None, env: str | None, vllm_env: str | None = None) -> str | None:
+    """The key to require: ``--api-key`` if given, else ``$KVPILOT_API_KEY``, else ``$VLLM_API_KEY``
+    (vllm serve's), normalised by :func:`normalize_api_key`; None when none is set. A set but empty
+    variable is an error, not a fall-through to the next source."""
     if flag is not None:
         return normalize_api_key(flag, "--api-key")
-    return None if env is None else normalize_api_key(env, f"${ENV_API_KEY}")
+    if env is not None:
+        return normalize_api_key(env, f"${ENV_API_KEY}")
+    return None if vllm_env is None else normalize_api_key(vllm_env, f"${ENV_VLLM_API_KEY}")
 
 
 def normalize_api_key(key: str, source: str) -> str:

@@ -79,6 +79,8 @@ def serve(
         metrics=metrics,
         sampling_defaults=defaults,
         chat_template=chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         limits=request_limits_from(args),
     )
     try:

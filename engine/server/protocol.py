@@ -15,15 +15,17 @@ strings and their length, the number of ``stop_token_ids``, and prompts x ``n``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from kvpilot.engine.errors import SamplingParamsError
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.errors import InvalidRequestError, SamplingParamsError
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request, not_supported
 from kvpilot.engine.server.limits import RequestLimits, UnknownFieldsLog
+from kvpilot.engine.structured_output import check_constraint
 
 MAX_BODY_BYTES = 16 << 20  # far beyond any prompt a max_model_len admits; stops memory abuse
 MAX_N = 128
@@ -59,6 +61,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's constraint object: one of json / regex / choice / grammar / json_object.
+    structured_outputs: dict[str, Any] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -82,10 +86,25 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as the API returns it
+
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant turn made (``messages[i].tool_calls[j]``)."""
+
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -293,8 +312,13 @@ GENERATION_CONFIG_KEYS = {
 
 def check_unsupported(req: _SamplingFields) -> None:
     """Reject OpenAI features this engine does not implement (a silent no-op would mislead)."""
-    if req.logit_bias:
-        raise not_supported("logit_bias", "logit_bias")
+    for name, key in _REMOVED_GUIDED_FIELDS.items():
+        if name in (req.model_extra or {}):
+            raise bad_request(
+                f"{name} was removed in vLLM 0.12 and is not accepted: send "
+                f'"structured_outputs": {{"{key}": ...}} instead',
+                param=name,
+            )
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", param="stream_options")
     if isinstance(req, CompletionRequest):
@@ -305,10 +329,8 @@ def check_unsupported(req: _SamplingFields) -> None:
         if req.echo and req.logprobs is not None:
             raise not_supported("echo together with logprobs (prompt logprobs)", "echo")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools and req.tool_choice != "none":
-            raise not_supported("tool calling", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise not_supported(f"response_format {req.response_format.get('type')!r}", "response_format")
+        # tools and tool_choice are checked by tool_choice.resolve_tools: what they allow depends on the
+        # server's --enable-auto-tool-choice / --tool-call-parser.
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
@@ -323,6 +345,8 @@ def to_sampling_params(
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
 
+    logit_bias = _logit_bias(req.logit_bias)
+    structured = structured_outputs(req)
     try:
         return SamplingParams(
             n=req.n,
@@ -342,11 +366,160 @@ def to_sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias=logit_bias,
+            structured_outputs=structured,
         )
     except SamplingParamsError as exc:
         message = str(exc)
         param = message.split(" ", 1)[0]
         raise bad_request(message, param=param if param in type(req).model_fields else None) from None
+
+
+# The constraint fields vLLM removed in 0.12, and the structured_outputs key each became.
+_REMOVED_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_LOGIT_BIAS_KEY = re.compile(r"-?[0-9]+")
+# structured_outputs keys: what each must be (the engine's StructuredOutputsParams fields), and
+# vLLM's other keys, which this engine does not implement.
+_STRUCTURED_KEYS = {
+    "json": (dict, str),
+    "regex": (str,),
+    "choice": (list,),
+    "grammar": (str,),
+    "json_object": (bool,),
+}
+_STRUCTURED_UNSUPPORTED = {
+    "structural_tag",
+    "whitespace_pattern",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "disable_fallback",
+}
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``{"<token id>": bias}`` with integer keys (ranges: ``SamplingParams``; the vocabulary
+    bound: the input processor)."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not _LOGIT_BIAS_KEY.fullmatch(key):
+            raise bad_request(
+                f"logit_bias keys must be token ids (integers), got {key!r}", param="logit_bias"
+            )
+        out[int(key)] = value
+    return out
+
+
+def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from ``structured_outputs`` or (chat) ``response_format``;
+    None for plain text. A 400 naming the field for a malformed one, two at once, or a schema, regex or
+    grammar the library cannot parse (with its message)."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
+    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
+        so = _from_response_format(req.response_format)
+        if so is not None:
+            found.append(("response_format", so))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(
+            "give one output constraint: response_format and structured_outputs are both set",
+            param="structured_outputs",
+        )
+    field, so = found[0]
+    try:
+        check_constraint(so)
+    except InvalidRequestError as exc:
+        message = str(exc)
+        if field == "response_format":
+            message = message.replace(
+                f"structured_outputs.{so.kind}", "response_format.json_schema.schema", 1
+            )
+        raise bad_request(message, param=field) from None
+    return so
+
+
+def _from_structured_outputs(obj: dict[str, Any]) -> StructuredOutputsParams:
+    for key, value in obj.items():
+        if key in _STRUCTURED_UNSUPPORTED:
+            raise not_supported(f"structured_outputs.{key}", f"structured_outputs.{key}")
+        if key not in _STRUCTURED_KEYS:
+            raise bad_request(
+                f"structured_outputs has an unknown key {key!r}; use one of {', '.join(_STRUCTURED_KEYS)}",
+                param=f"structured_outputs.{key}",
+            )
+        if value is not None and not isinstance(value, _STRUCTURED_KEYS[key]):
+            raise bad_request(
+                f"structured_outputs.{key} must be {_STRUCTURED_HINTS[key]}",
+                param=f"structured_outputs.{key}",
+            )
+    kwargs = {key: value for key, value in obj.items() if value is not None}
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc), param="structured_outputs") from None
+
+
+_STRUCTURED_HINTS = {
+    "json": "a JSON schema (an object, or its JSON text)",
+    "regex": "a string",
+    "choice": "an array of strings",
+    "grammar": "a string (an EBNF grammar)",
+    "json_object": "a boolean",
+}
+
+
+def _from_response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema`` with
+    ``{"name", "schema", "strict"?, "description"?}``."""
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request(
+                'response_format.json_schema must be an object {"name": ..., "schema": {...}} when type is '
+                "json_schema",
+                param="response_format.json_schema",
+            )
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad_request(
+                "response_format.json_schema.name must be a string", param="response_format.json_schema.name"
+            )
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(
+                "response_format.json_schema.strict must be a boolean",
+                param="response_format.json_schema.strict",
+            )
+        try:
+            return StructuredOutputsParams(json=schema)
+        except SamplingParamsError as exc:
+            raise bad_request(str(exc), param="response_format") from None
+    if kind == "structural_tag":
+        raise not_supported("response_format structural_tag", "response_format")
+    raise bad_request(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        param="response_format.type",
+    )
 
 
 def default_max_tokens(req: _SamplingFields, defaults: dict[str, Any]) -> int | None:

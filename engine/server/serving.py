@@ -47,6 +47,8 @@ class ServerState:
     metrics: Any = None  # PrometheusStatLogger
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    tool_call_parser: str | None = None  # --tool-call-parser: a key of tool_parsers.PARSERS
     limits: RequestLimits = field(default_factory=RequestLimits)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)

@@ -102,8 +102,12 @@ class ChoiceDelta:
     logprobs: list[dict[int, float]]
 
 
-# A choice's (content, logprobs) for one delta, in the endpoint's format.
+# A choice's (content, logprobs) for one delta, in the endpoint's format. A content of None says the
+# delta adds nothing to send yet (text a tool-call parser holds back): unless it carries logprobs or
+# the finish, no chunk is sent for it.
 ContentFn = Callable[[ChoiceDelta], tuple[Any, Any]]
+# The finish_reason a choice reports for its final delta (chat's "tool_calls").
+FinishFn = Callable[[ChoiceDelta], str | None]
 
 
 @dataclass
@@ -126,12 +130,14 @@ class ChunkStream:
     request_ids: Sequence[str]
     num_prompt_tokens: int
 
-    async def events(self, content: ContentFn, first: Iterable[tuple[int, Any]] = ()) -> AsyncIterator[str]:
+    async def events(
+        self, content: ContentFn, first: Iterable[tuple[int, Any]] = (), finish: FinishFn | None = None
+    ) -> AsyncIterator[str]:
         """A chunk per ``(index, content)`` in ``first`` (sent before any output), then one per
-        :class:`ChoiceDelta` with what ``content`` makes of it; then the usage chunk (when asked for) and
-        ``[DONE]``. If the engine loop dies, an error event and ``[DONE]``. However the stream ends (the
-        client may leave), the sequences still running are aborted so that their KV blocks are freed at
-        once."""
+        :class:`ChoiceDelta` with what ``content`` makes of it (the finish reason from ``finish`` when
+        given); then the usage chunk (when asked for) and ``[DONE]``. If the engine loop dies, an error
+        event and ``[DONE]``. However the stream ends (the client may leave), the sequences still
+        running are aborted so that their KV blocks are freed at once."""
         created = int(time.time())
         opts = self.req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -157,7 +163,12 @@ class ChunkStream:
                 yield chunk([choice(index, key, body)])
             async for d in self._deltas(num_tokens):
                 body, logprobs = content(d)
-                yield chunk([choice(d.index, key, body, logprobs, d.finish_reason, d.stop_reason)])
+                if body is None:
+                    if logprobs is None and d.finish_reason is None:
+                        continue
+                    body = {}
+                reason = d.finish_reason if finish is None or d.finish_reason is None else finish(d)
+                yield chunk([choice(d.index, key, body, logprobs, reason, d.stop_reason)])
             if include_usage:
                 yield chunk([], final=True)
             yield SSE_DONE

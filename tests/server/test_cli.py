@@ -146,7 +146,8 @@ def test_taken_port_fails_fast(tmp_path):
             timeout=60,
         )
     assert result.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    # The default host is every IPv4 interface (vllm serve's), which includes the loopback port taken.
+    assert f"cannot listen on 0.0.0.0:{port}" in result.stderr
 
 
 def test_missing_model_dir_is_a_one_line_error(tmp_path):
