@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "operator": "kvpilot.operator.cli",
     "render": "kvpilot.operator.cli",
     "replay": "kvpilot.operator.cli",
+    "plan": "kvpilot.operator.plan.cli",
     "up": "kvpilot.operator.local.platform",
 }
 

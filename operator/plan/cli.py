@@ -1,0 +1,247 @@
+"""``kvpilot plan -f inferenceservice.yaml --recording rec.jsonl[.gz]``: predict what the levers do.
+
+Reads the InferenceService (the settings in force, the remediation limits) and a recording (JSON
+Lines of scrapes, as ``kvpilot operator --record`` writes them and ``kvpilot replay`` reads them),
+fits the step-time model, rebuilds the workload, simulates the settings in force and a small grid
+of candidates, and prints one row per candidate; the cheapest one without sustained preemption is
+marked ``*``. ``--json PATH`` writes everything as JSON too. Needs no cluster, no model and no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+
+from kvpilot.operator.api import names
+from kvpilot.operator.plan.candidates import (
+    Candidate,
+    CandidateResult,
+    PlanContext,
+    candidate_grid,
+    context_of,
+    pick,
+    run_plan,
+)
+from kvpilot.operator.plan.recording import RecordingError, read_recording
+from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError, fit_step_time
+from kvpilot.operator.plan.workload import Workload, workload_from_scrapes
+
+HEADER = (
+    "",
+    "CANDIDATE",
+    "GPUS",
+    "BLOCKS",
+    "PREEMPT/S",
+    "PEAK/S",
+    "KV USE",
+    "QUEUE",
+    "TTFT P50",
+    "TTFT P99",
+    "ITL P50",
+    "ITL P99",
+    "OUT TOK/S",
+    "DONE",
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser(
+        "plan",
+        help="simulate the settings in force and candidate levers on recorded traffic",
+        description="Run the engine's own scheduler and block manager on a simulated clock over the "
+        "traffic a recording shows (JSON Lines of scrapes, `kvpilot operator --record`), for the "
+        "settings in force and a grid of candidates within spec.remediation.limits; print the "
+        "predicted preemptions, KV usage, queue, TTFT, ITL and throughput of each, and mark the "
+        "cheapest candidate without sustained preemption.",
+    )
+    plan.add_argument("-f", "--filename", required=True, metavar="FILE", help="InferenceService manifest")
+    plan.add_argument(
+        "--recording", required=True, metavar="SAMPLES", help="recorded scrapes (JSON Lines, .gz allowed)"
+    )
+    plan.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON to PATH")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the arrival times and lengths drawn")
+    plan.add_argument(
+        "--open-loop",
+        action="store_true",
+        help="send every recorded arrival at its time (default: never more in flight than the "
+        "recording's peak, as clients that wait for answers do)",
+    )
+    plan.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    plan.set_defaults(func=run_plan_command)
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm wrapper for the candidate loop when tqdm is installed and wanted, else None."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the slim operator image: plan runs, without a bar
+        return None
+
+    def wrap(items: Iterator[Candidate]) -> Iterator[Candidate]:
+        return iter(tqdm(items, total=total, desc="simulating", unit="candidate", file=sys.stderr))
+
+    return wrap
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f}ms"
+
+
+def format_table(results: list[CandidateResult], current: Candidate, chosen: CandidateResult | None) -> str:
+    """One row per candidate, ``*`` on ``chosen``."""
+    rows = [HEADER]
+    for r in results:
+        label = r.candidate.label(current)
+        mark = "*" if r is chosen else ""
+        if r.result is None:
+            rows.append((mark, label, str(r.num_gpus), str(r.num_gpu_blocks), "error: " + str(r.error)))
+            continue
+        res = r.result
+        summary = res.summary()
+        rows.append(
+            (
+                mark,
+                label,
+                str(r.num_gpus),
+                str(r.num_gpu_blocks),
+                f"{res.preemptions_per_s:.2f}",
+                f"{r.max_preemption_rate:.2f}",
+                f"{summary['kv_usage_mean']:.0%}",
+                f"{summary['queue_depth_mean']:.1f}",
+                _ms(res.ttft(0.5)),
+                _ms(res.ttft(0.99)),
+                _ms(res.itl(0.5)),
+                _ms(res.itl(0.99)),
+                f"{res.output_tokens_per_s * r.candidate.replicas:.0f}",
+                f"{res.num_finished}/{res.num_arrivals}" + ("" if r.keeps_up else " (behind)"),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(HEADER))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() for row in rows
+    )
+
+
+def plan_document(
+    isvc: dict[str, Any],
+    recording: str,
+    workload: Workload,
+    step_time: LinearStepTime,
+    ctx: PlanContext,
+    results: list[CandidateResult],
+    chosen: CandidateResult | None,
+) -> dict[str, Any]:
+    """Everything the table shows and more, as a JSON-ready dict."""
+    meta = isvc.get("metadata") or {}
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(
+        {
+            "inferenceService": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+            "recording": recording,
+            "workload": {
+                "duration_s": workload.duration_s,
+                "num_requests": workload.num_requests,
+                "arrival_rate": workload.arrival_rate,
+                "num_pods": workload.num_pods,
+                "recorded_preemptions": workload.num_preemptions,
+                "recorded_preemptions_per_s_per_pod": workload.preemptions_per_s,
+                "num_gpu_blocks": workload.pool.num_gpu_blocks,
+                "block_size": workload.pool.block_size,
+                "gpu_memory_utilization": workload.pool.gpu_memory_utilization,
+            },
+            "step_time": {
+                "a_s": step_time.a,
+                "b_s_per_token": step_time.b,
+                "c_s_per_seq": step_time.c,
+                "terms": list(step_time.terms),
+                "num_windows": step_time.num_windows,
+                "rmse_s": step_time.rmse_s,
+            },
+            "threshold": {"preemption_rate": ctx.preemption_rate, "window_s": ctx.window_s},
+            "client_concurrency": ctx.client_concurrency,
+            "notes": list(ctx.notes),
+            "candidates": [r.as_dict(ctx.current) for r in results],
+            "pick": None if chosen is None else results.index(chosen),
+        }
+    )
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    """``kvpilot plan``: 0 with the table on stdout, or 1 with one error line on stderr."""
+    from kvpilot.operator.api.settings import resolve
+
+    try:
+        with open(args.filename, encoding="utf-8") as handle:
+            documents = [d for d in yaml.safe_load_all(handle) if isinstance(d, dict)]
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"error: cannot read {args.filename}: {exc}", file=sys.stderr)
+        return 1
+    isvcs = [d for d in documents if d.get("kind") == names.KIND]
+    if len(isvcs) != 1:
+        print(
+            f"error: {args.filename} must hold exactly one {names.KIND}, found {len(isvcs)}", file=sys.stderr
+        )
+        return 1
+    isvc = isvcs[0]
+    settings = resolve(isvc)
+    if not settings.is_valid:
+        print("error: invalid InferenceService: " + "; ".join(settings.problems), file=sys.stderr)
+        return 1
+    try:
+        workload = workload_from_scrapes(read_recording(args.recording, isvc))
+        step_time = fit_step_time(workload.step_windows)
+    except (RecordingError, StepTimeError) as exc:
+        print(f"error: {args.recording}: {exc}", file=sys.stderr)
+        return 1
+    ctx = context_of(settings, workload, open_loop=args.open_loop)
+    candidates = candidate_grid(ctx, can_resize_pool=not workload.pool.explicit_size)
+    results = run_plan(
+        ctx, workload, step_time, candidates, args.seed, _progress(len(candidates), not args.no_progress)
+    )
+    chosen = pick(results, ctx.current)
+    pool = workload.pool
+    print(
+        f"workload: {workload.num_requests} requests over {workload.duration_s:.0f}s "
+        f"({workload.arrival_rate:.2f}/s, {workload.num_pods} pod(s)); recorded "
+        f"{workload.num_preemptions:.0f} preemptions ({workload.preemptions_per_s:.2f}/s per pod); "
+        f"KV pool {pool.num_gpu_blocks} blocks x {pool.block_size} "
+        f"at gpuMemoryUtilization {pool.gpu_memory_utilization}"
+    )
+    print(f"step time: {step_time.describe()}")
+    if ctx.client_concurrency is not None:
+        print(f"clients: at most {ctx.client_concurrency} request(s) in flight (the recording's peak)")
+    for note in ctx.notes:
+        print(f"note: {note}")
+    print(format_table(results, ctx.current, chosen))
+    threshold = f"{ctx.preemption_rate:g} preemptions/s per replica over {ctx.window_s:g}s"
+    if chosen is None:
+        print(f"no candidate within the limits avoids sustained preemption ({threshold})")
+    else:
+        print(f"* cheapest without sustained preemption ({threshold}): {chosen.candidate.label(ctx.current)}")
+    if args.json:
+        document = plan_document(isvc, args.recording, workload, step_time, ctx, results, chosen)
+        try:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(document, handle, indent=2)
+                handle.write("\n")
+        except OSError as exc:
+            print(f"error: cannot write {args.json}: {exc}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,182 @@
+"""A recording (the JSON Lines of scrapes ``kvpilot replay`` reads) as the values the plan needs.
+
+Each scrape becomes a :class:`PlanScrape`: the counters and histograms, summed over their series
+(several ``engine`` labels of one pod add up), the gauges, and the KV pool from
+``vllm:cache_config_info``. Consecutive scrapes of one pod make a :class:`Interval` of deltas; an
+interval where a counter fell (a restart) or the histograms' buckets changed is left out.
+
+Pure: no clock; reading the file is :func:`read_recording`, the one function with I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.engine import metrics_names as m
+from kvpilot.operator.remediation.metrics import Histogram
+from kvpilot.operator.remediation.replay import Record, ReplayError, read_records
+
+# Histograms (summed over series) and counters the plan reads.
+HISTOGRAMS = (
+    m.ITERATION_TOKENS_TOTAL,
+    m.INTER_TOKEN_LATENCY_SECONDS,
+    m.REQUEST_PROMPT_TOKENS,
+    m.REQUEST_GENERATION_TOKENS,
+)
+COUNTERS = (m.REQUEST_SUCCESS_TOTAL, m.GENERATION_TOKENS_TOTAL, m.NUM_PREEMPTIONS_TOTAL)
+GAUGES = (m.NUM_REQUESTS_RUNNING, m.NUM_REQUESTS_WAITING, m.NUM_REQUESTS_SWAPPED, m.KV_CACHE_USAGE_PERC)
+
+
+class RecordingError(ValueError):
+    """The recording cannot be used for a plan; the message says why (one line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanScrape:
+    """One pod's scrape at ``time``: ``counters`` / ``gauges`` by metric name (absent when not
+    exported), ``histograms`` likewise, ``cache_info`` the labels of ``vllm:cache_config_info``."""
+
+    time: float
+    pod: str
+    counters: Mapping[str, float]
+    gauges: Mapping[str, float]
+    histograms: Mapping[str, Histogram]
+    cache_info: Mapping[str, str]
+
+    @property
+    def in_flight(self) -> float | None:
+        """Requests the engine holds (running + waiting + swapped), None without the gauges."""
+        if m.NUM_REQUESTS_RUNNING not in self.gauges or m.NUM_REQUESTS_WAITING not in self.gauges:
+            return None
+        return sum(self.gauges.get(name, 0.0) for name in GAUGES[:3])
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """What one pod did between two consecutive scrapes: ``start``..``end`` (unix seconds), the
+    counter and histogram increases, and the gauges at both ends."""
+
+    pod: str
+    start: float
+    end: float
+    counters: Mapping[str, float]
+    histograms: Mapping[str, Histogram]
+    before: PlanScrape
+    after: PlanScrape
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def _samples(metrics: Any) -> Iterable[tuple[str, dict[str, str], float]]:
+    if isinstance(metrics, str):
+        for family in text_string_to_metric_families(metrics):
+            for s in family.samples:
+                yield s.name, dict(s.labels), float(s.value)
+    elif isinstance(metrics, dict):
+        for name, value in metrics.items():
+            yield str(name), {}, float(value)
+    else:
+        for item in metrics:
+            if isinstance(item, dict):
+                yield str(item["name"]), dict(item.get("labels") or {}), float(item["value"])
+            else:
+                name, labels, value = item
+                yield str(name), dict(labels or {}), float(value)
+
+
+def parse_plan_scrape(record: Record) -> PlanScrape:
+    """The plan's view of one record's metrics. Raises RecordingError for a body that is not
+    Prometheus text (or parsed samples)."""
+    counters: dict[str, float] = {}
+    gauges: dict[str, float] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    cache_info: dict[str, str] = {}
+    try:
+        for name, labels, value in _samples(record.metrics):
+            if not math.isfinite(value):
+                continue  # no healthy engine exports it; the interval then lacks that metric
+            canonical = m.canonical_name(name)
+            if canonical in COUNTERS:
+                counters[canonical] = counters.get(canonical, 0.0) + value
+            elif canonical in GAUGES:
+                gauges[canonical] = gauges.get(canonical, 0.0) + value
+            elif name == m.CACHE_CONFIG_INFO:
+                cache_info = labels
+            elif "_" in name:
+                base, part = name.rsplit("_", 1)
+                histogram = m.canonical_name(base)
+                if histogram not in HISTOGRAMS or part not in ("bucket", "sum", "count"):
+                    continue
+                entry = parts.setdefault(histogram, {"buckets": {}})
+                if part == "bucket":
+                    le = float(labels["le"])
+                    entry["buckets"][le] = entry["buckets"].get(le, 0.0) + value
+                else:
+                    entry[part] = entry.get(part, 0.0) + value
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise RecordingError(f"{record.pod} at {record.time}: unreadable metrics ({exc})") from exc
+    histograms = {}
+    for name, entry in parts.items():
+        buckets = tuple(sorted((le, c) for le, c in entry["buckets"].items() if not math.isnan(le)))
+        if buckets and buckets[-1][0] == math.inf and "sum" in entry and "count" in entry:
+            histograms[name] = Histogram(buckets, entry["sum"], entry["count"])
+    return PlanScrape(record.time, record.pod, counters, gauges, histograms, cache_info)
+
+
+def intervals_of(scrapes: Iterable[PlanScrape]) -> list[Interval]:
+    """Consecutive scrapes of each pod, as intervals of increases (in time order). An interval where
+    a counter fell or a histogram's buckets do not line up (a restart) is left out."""
+    by_pod: dict[str, list[PlanScrape]] = {}
+    for scrape in scrapes:
+        by_pod.setdefault(scrape.pod, []).append(scrape)
+    out = []
+    for pod, series in by_pod.items():
+        series.sort(key=lambda s: s.time)
+        for before, after in zip(series, series[1:], strict=False):
+            if after.time <= before.time:
+                continue
+            counters = {
+                name: after.counters[name] - before.counters[name]
+                for name in COUNTERS
+                if name in after.counters and name in before.counters
+            }
+            if any(v < 0 for v in counters.values()):
+                continue  # restarted
+            histograms = {}
+            for name in HISTOGRAMS:
+                if name in after.histograms and name in before.histograms:
+                    delta = after.histograms[name].increase(before.histograms[name])
+                    if delta is not None:
+                        histograms[name] = delta
+            if any(name in after.histograms and name not in histograms for name in before.histograms):
+                continue  # a histogram fell: restarted
+            out.append(Interval(pod, before.time, after.time, counters, histograms, before, after))
+    return sorted(out, key=lambda i: (i.start, i.pod))
+
+
+def read_recording(path: str | Path, isvc: dict[str, Any] | None = None) -> list[PlanScrape]:
+    """The usable scrapes of a recording file (``.gz``: gzip-compressed), those of ``isvc`` when the
+    lines name their InferenceService; ready pods' successful scrapes only. Raises RecordingError
+    (one line) for a file that cannot be read or holds no usable scrape."""
+    path = Path(path)
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as handle:
+            records = read_records(handle, isvc)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise RecordingError(f"cannot read the recording {path}: {exc}") from exc
+    except ReplayError as exc:
+        raise RecordingError(f"{path}: {exc}") from exc
+    scrapes = [parse_plan_scrape(r) for r in records if r.ready and r.error is None and r.metrics is not None]
+    if not scrapes:
+        raise RecordingError(f"{path}: no successful scrape of a ready pod")
+    return scrapes

@@ -1,0 +1,408 @@
+"""The engine's own scheduler and block manager on a simulated clock (torch-free).
+
+A run feeds :class:`Arrival` s (when a request comes, its prompt and output lengths) to a real
+``kvpilot.engine.scheduler.Scheduler`` over a real ``BlockManager`` and steps them as
+``LLMEngine.step`` does -- ``schedule()``, the runner, ``update_from_output`` -- with the runner
+replaced by a synthesised ``ModelRunnerOutput`` (one token for every scheduled request that samples)
+and the step's wall time by a step-time model. Requests run with ``ignore_eos`` and ``max_tokens`` =
+their output length, so each generates exactly that many tokens unless ``max_model_len`` caps it,
+as the engine would.
+
+Token ids are synthetic: each request's prompt starts with a token of its own, so no two requests
+share a prefix-cache block unless an arrival names a shared prefix (``prefix_group``,
+``prefix_len``), which then starts every prompt of that group with the same tokens.
+
+The engine's per-step decisions come out unchanged, since they are the engine's code; what the
+simulation adds is only the clock (``step_time``) and the token values (which decide nothing under
+``ignore_eos``). ``tests/operator/test_plan_simulate.py`` checks the decisions against a real
+``LLMEngine`` step for step.
+
+Clock: a step scheduled at ``now`` ends at ``now + step_seconds(tokens, seqs)``; its sampled tokens
+are stamped with that end time. Arrivals up to the start of a step are queued before it; with
+nothing to run the clock jumps to the next arrival.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from kvpilot.engine.block_manager import BlockManager
+from kvpilot.engine.outputs import ModelRunnerOutput
+from kvpilot.engine.request import Request
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.scheduler_output import SchedulerConfig, SchedulerOutput
+
+# Prompt token ids: a distinct first token per request keeps prompts apart in the prefix cache; the
+# shared prefixes of a group use ids from another range so they never collide with those.
+_OWN_TOKEN_BASE = 1_000_000
+_GROUP_TOKEN_BASE = 1
+_FILLER_TOKEN = 7
+_SAMPLED_TOKEN = 3
+
+
+class SimulationError(ValueError):
+    """The settings or the arrivals cannot be simulated; the message says why."""
+
+
+class StepTime(Protocol):
+    """How long one engine step takes (seconds), from what the step runs."""
+
+    def step_seconds(self, num_batched_tokens: int, num_seqs: int) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """The knobs one engine replica runs with (the engine's names; see ``EngineArgs``)."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_gpu_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+        ):
+            if getattr(self, name) <= 0:
+                raise SimulationError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise SimulationError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.num_cpu_blocks < 0:
+            raise SimulationError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """One request: when it arrives (seconds from the start), its prompt and output lengths, and
+    optionally a shared prefix (the first ``prefix_len`` prompt tokens of every arrival of
+    ``prefix_group`` are the same)."""
+
+    time: float
+    prompt_len: int
+    output_len: int
+    prefix_group: int | None = None
+    prefix_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 1:
+            raise SimulationError(f"prompt and output lengths must be >= 1, got {self}")
+        if not 0 <= self.prefix_len < self.prompt_len:
+            raise SimulationError(f"prefix_len must be in [0, prompt_len), got {self}")
+
+
+def prompt_tokens(index: int, arrival: Arrival) -> list[int]:
+    """The synthetic prompt of the ``index``-th arrival: its group's shared prefix (if any), then a
+    token of its own, then filler."""
+    shared = arrival.prefix_len if arrival.prefix_group is not None else 0
+    tokens = [_GROUP_TOKEN_BASE + (arrival.prefix_group or 0)] * shared
+    tokens.append(_OWN_TOKEN_BASE + index)
+    tokens += [_FILLER_TOKEN] * (arrival.prompt_len - len(tokens))
+    return tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """What one ``schedule()`` call decided: (req_id, tokens fed) in batch order, and the requests it
+    preempted. The identity test compares these with a real engine's."""
+
+    scheduled: tuple[tuple[str, int], ...]
+    preempted: tuple[str, ...]
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepTrace:
+        return cls(
+            tuple((item.req_id, item.num_tokens) for item in out.scheduled), tuple(out.preempted_req_ids)
+        )
+
+
+def make_scheduler(settings: EngineSettings) -> Scheduler:
+    """A fresh engine scheduler over a fresh block manager with ``settings``."""
+    bm = BlockManager(
+        settings.num_gpu_blocks,
+        settings.block_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        num_cpu_blocks=settings.num_cpu_blocks if settings.preemption_mode == "swap" else 0,
+    )
+    config = SchedulerConfig(
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
+        preemption_mode=settings.preemption_mode,
+    )
+    return Scheduler(config, bm)
+
+
+class SimulatedEngine:
+    """The engine's core loop with the model replaced: ``add_request`` then ``step`` as on
+    ``LLMEngine``, on the engine's own ``Scheduler`` and ``BlockManager``."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.scheduler = make_scheduler(settings)
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], output_len: int) -> Request:
+        """Queue a request that generates ``output_len`` tokens (``ignore_eos``). Raises
+        SimulationError for a prompt the engine's input processor would refuse (longer than
+        ``max_model_len`` or than the whole KV pool)."""
+        s = self.settings
+        if len(prompt_token_ids) >= s.max_model_len:
+            raise SimulationError(
+                f"{req_id}: prompt of {len(prompt_token_ids)} tokens leaves no room in max_model_len "
+                f"{s.max_model_len}"
+            )
+        if len(prompt_token_ids) + 1 > s.num_gpu_blocks * s.block_size:
+            raise SimulationError(
+                f"{req_id}: prompt of {len(prompt_token_ids)} tokens does not fit the KV pool of "
+                f"{s.num_gpu_blocks} blocks x {s.block_size}"
+            )
+        req = Request(
+            req_id=req_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0),
+            eos_token_id=None,
+        )
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> tuple[SchedulerOutput, list[str]]:
+        """One engine step: schedule, synthesise the runner's output, update the requests. Returns
+        the step's ``SchedulerOutput`` and the req_ids that sampled a token. A step that scheduled
+        nothing ran no forward: like ``LLMEngine.step``, it skips the update."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return out, []
+        sampled = [item.req_id for item in out.scheduled if item.do_sample]
+        runner_out = ModelRunnerOutput(sampled, [_SAMPLED_TOKEN] * len(sampled), [None] * len(sampled))
+        self.scheduler.update_from_output(out, runner_out)
+        return out, sampled
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.requests)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """The engine's gauges at the end of one step (simulated seconds from the start), and the
+    preemptions counted so far. ``num_waiting`` is the queue: waiting and swapped requests."""
+
+    time: float
+    kv_usage: float
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """One run's predictions. Latencies in seconds; rates per simulated second over ``duration_s``
+    (first arrival to the last step's end)."""
+
+    duration_s: float
+    num_steps: int
+    num_preemptions: int
+    num_arrivals: int
+    num_finished: int
+    num_output_tokens: int
+    samples: tuple[Sample, ...]
+    ttft_s: tuple[float, ...]
+    itl_s: tuple[float, ...]
+    truncated: bool  # the run stopped at ``max_sim_s`` with requests still unfinished
+
+    @property
+    def preemptions_per_s(self) -> float:
+        return self.num_preemptions / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    def max_preemption_rate(self, window_s: float) -> float:
+        """The highest preemption rate (per second) over any ``window_s`` ending at a step's end: the
+        preemptions after the last step that ended ``window_s`` or more before it, over ``window_s``."""
+        times = [0.0] + [s.time for s in self.samples]
+        counts = [0] + [s.num_preemptions for s in self.samples]
+        best = 0
+        base = 0  # index of the last sample at least window_s before the current one
+        for last in range(1, len(times)):
+            while base + 1 < last and times[base + 1] <= times[last] - window_s:
+                base += 1
+            best = max(best, counts[last] - counts[base])
+        return best / window_s
+
+    def timeline(self, every_s: float = 1.0) -> list[dict[str, float | int]]:
+        """The gauges over time: the first step ending in each ``every_s``, and the last step."""
+        out: list[dict[str, float | int]] = []
+        next_at = 0.0
+        for index, s in enumerate(self.samples):
+            if s.time >= next_at or index == len(self.samples) - 1:
+                out.append(
+                    {
+                        "time_s": s.time,
+                        "kv_usage": s.kv_usage,
+                        "num_waiting": s.num_waiting,
+                        "num_running": s.num_running,
+                        "num_preemptions": s.num_preemptions,
+                    }
+                )
+                next_at = (s.time // every_s + 1) * every_s
+        return out
+
+    def kv_usage(self, q: float) -> float:
+        return quantile([s.kv_usage for s in self.samples], q)
+
+    def queue_depth(self, q: float) -> float:
+        return quantile([float(s.num_waiting) for s in self.samples], q)
+
+    def ttft(self, q: float) -> float:
+        return quantile(self.ttft_s, q)
+
+    def itl(self, q: float) -> float:
+        return quantile(self.itl_s, q)
+
+    def summary(self) -> dict[str, float | int | bool]:
+        """The figures ``kvpilot plan`` prints and writes (NaN where there is nothing to measure);
+        KV usage and queue depth are taken at the end of every step (means over steps)."""
+        return {
+            "duration_s": self.duration_s,
+            "num_steps": self.num_steps,
+            "num_arrivals": self.num_arrivals,
+            "num_finished": self.num_finished,
+            "num_preemptions": self.num_preemptions,
+            "preemptions_per_s": self.preemptions_per_s,
+            "kv_usage_mean": mean([s.kv_usage for s in self.samples]),
+            "kv_usage_p99": self.kv_usage(0.99),
+            "queue_depth_mean": mean([float(s.num_waiting) for s in self.samples]),
+            "queue_depth_p99": self.queue_depth(0.99),
+            "ttft_p50_s": self.ttft(0.5),
+            "ttft_p99_s": self.ttft(0.99),
+            "itl_p50_s": self.itl(0.5),
+            "itl_p99_s": self.itl(0.99),
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "truncated": self.truncated,
+        }
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (nearest rank) of ``values``; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def simulate(
+    settings: EngineSettings,
+    arrivals: Iterable[Arrival],
+    step_time: StepTime,
+    *,
+    max_sim_s: float | None = None,
+    on_step: Callable[[StepTrace], None] | None = None,
+    max_in_flight: int | None = None,
+) -> SimResult:
+    """Run ``arrivals`` (sorted by time here) through one simulated engine replica.
+
+    ``max_sim_s``: stop the clock there (requests still unfinished are reported as such by
+    ``truncated``; None runs until every request finishes). ``on_step`` sees the decisions of every
+    ``schedule()`` call that scheduled or preempted something. ``max_in_flight``: the clients' own
+    concurrency -- an arrival that finds that many requests in the engine is held back (client-side)
+    until one finishes, and its latencies count from when it is sent (None: open loop, every
+    arrival is sent at its time).
+    Raises SimulationError for an arrival the engine would refuse or a step time that is not positive.
+    """
+    ordered = sorted(arrivals, key=lambda a: a.time)
+    engine = SimulatedEngine(settings)
+    sched = engine.scheduler
+    bm = sched.block_manager
+    arrived_at: dict[str, float] = {}
+    last_token_at: dict[str, float] = {}
+    ttft: list[float] = []
+    itl: list[float] = []
+    samples: list[Sample] = []
+    num_output_tokens = num_finished = num_steps = 0
+    start = ordered[0].time if ordered else 0.0
+    now = start
+    index = 0
+    truncated = False
+    while index < len(ordered) or engine.has_unfinished:
+        if max_sim_s is not None and now - start >= max_sim_s:
+            truncated = engine.has_unfinished or index < len(ordered)
+            break
+        if not engine.has_unfinished and ordered[index].time > now:
+            now = ordered[index].time  # idle: jump to the next arrival
+        while index < len(ordered) and ordered[index].time <= now:
+            if max_in_flight is not None and len(sched.requests) >= max_in_flight:
+                break  # the clients hold it until a request of theirs finishes, then send it
+            arrival = ordered[index]
+            req_id = f"r{index}"
+            engine.add_request(req_id, prompt_tokens(index, arrival), arrival.output_len)
+            arrived_at[req_id] = max(arrival.time, now) if max_in_flight is not None else arrival.time
+            index += 1
+        out, sampled = engine.step()
+        if on_step is not None and (out.scheduled or out.preempted_req_ids):
+            on_step(StepTrace.of(out))
+        if not out.scheduled:
+            # Nothing ran. When the step preempted everything it scheduled, the next one runs at once
+            # (the engine spends no forward on it); otherwise nothing queued can ever run, which the
+            # admission checks in ``add_request`` rule out.
+            if out.preempted_req_ids:
+                continue
+            raise SimulationError(
+                f"the scheduler cannot run any of {len(sched.requests)} queued request(s) with {settings}"
+            )
+        num_steps += 1
+        duration = step_time.step_seconds(out.num_batched_tokens, len(out.scheduled))
+        if not duration > 0:
+            raise SimulationError(f"the step-time model gave {duration!r} s for a step; it must be positive")
+        now += duration
+        for req_id in sampled:
+            previous = last_token_at.get(req_id)
+            if previous is None:
+                ttft.append(now - arrived_at[req_id])
+            else:
+                itl.append(now - previous)
+            last_token_at[req_id] = now
+            if req_id not in sched.requests:  # finished by this step
+                num_finished += 1
+                del last_token_at[req_id], arrived_at[req_id]
+        num_output_tokens += len(sampled)
+        samples.append(
+            Sample(
+                now - start,
+                bm.usage,
+                len(sched.waiting) + len(sched.swapped),
+                len(sched.running),
+                sched.num_preemptions_total,
+            )
+        )
+    return SimResult(
+        duration_s=now - start,
+        num_steps=num_steps,
+        num_preemptions=sched.num_preemptions_total,
+        num_arrivals=len(ordered),
+        num_finished=num_finished,
+        num_output_tokens=num_output_tokens,
+        samples=tuple(samples),
+        ttft_s=tuple(ttft),
+        itl_s=tuple(itl),
+        truncated=truncated,
+    )

@@ -1,0 +1,304 @@
+"""The workload a service has seen, from a recording: when requests came, how long they were, and
+the KV pool they ran on (torch-free).
+
+* **Arrivals.** Engines count requests when they finish (``vllm:request_success_total``, every
+  finished reason), so the requests that arrived by a scrape are those finished since the first
+  scrape plus those in flight (running + waiting + swapped) now, minus those in flight at the first
+  one. Per pod interval that gives an arrival count (made monotone; fractions carried over), spread
+  at seeded uniform random times within the interval. Pods add up: the arrivals are the service's.
+* **Lengths.** ``vllm:request_prompt_tokens`` / ``vllm:request_generation_tokens`` are also observed
+  at finish, so an interval's arrivals take the lengths of the requests that finish from it on: the
+  histogram increases of that interval and the following ones of the same pod until they hold
+  ``MIN_LENGTH_SAMPLES`` requests (earlier ones when the recording ends first). A length is drawn as
+  a bucket by its count, uniform within the bucket, then every draw is scaled by the ratio of the
+  histogram's true mean (sum / count) to the mean of that bucket-uniform distribution, so the mean
+  length -- what the KV pool holds -- is the recorded one.
+* **The KV pool.** ``vllm:cache_config_info``: ``num_gpu_blocks``, ``block_size``, the
+  ``gpu_memory_utilization`` it was sized with, whether it was sized explicitly
+  (``num_gpu_blocks_override``), ``enable_prefix_caching`` and ``num_cpu_blocks``.
+* **Step windows** for ``step_time.fit_step_time`` (see there).
+
+* **Client concurrency.** The most requests the pods held at once (``peak_in_flight``): clients
+  that wait for answers never keep more in flight, whatever the engine does. The plan caps each
+  replica's in-flight requests at its share of it (``simulate(max_in_flight=...)``), so that a
+  simulation running a little slower than the real engine does not pile up requests the real
+  clients would never have sent -- the difference between a storm and none near the threshold.
+
+What it does not know: prompt contents (no shared prefixes are modelled, so prefix-cache hits are
+not predicted), per-request pairing of prompt and output lengths (drawn independently), and how
+clients react to latency beyond that cap (arrivals replay at the recorded times).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Sequence
+
+from kvpilot.engine import metrics_names as m
+from kvpilot.operator.plan.recording import Interval, PlanScrape, RecordingError, intervals_of
+from kvpilot.operator.plan.simulate import Arrival
+from kvpilot.operator.plan.step_time import StepWindow
+from kvpilot.operator.remediation.metrics import Histogram
+
+MIN_LENGTH_SAMPLES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDistribution:
+    """Token lengths drawn from a cumulative histogram (see the module doc)."""
+
+    histogram: Histogram
+
+    @property
+    def mean(self) -> float:
+        return self.histogram.sum / self.histogram.count
+
+    def _bucket_ranges(self) -> list[tuple[float, float, float]]:
+        """(low, high, count) of each bucket that holds observations; the ``+Inf`` bucket is the
+        point at the highest finite bound."""
+        out = []
+        low = 0.0
+        previous = 0.0
+        for le, cumulative in self.histogram.buckets:
+            count = cumulative - previous
+            high = low if math.isinf(le) else le
+            if count > 0:
+                out.append((low, high, count))
+            previous, low = cumulative, high
+        return out
+
+    def sample(self, rng: random.Random, n: int) -> list[int]:
+        """``n`` lengths (>= 1), scaled so that their expected mean is the histogram's."""
+        ranges = self._bucket_ranges()
+        weights = [c for _, _, c in ranges]
+        uniform_mean = sum((lo + hi) / 2 * c for lo, hi, c in ranges) / sum(weights)
+        scale = self.mean / uniform_mean if uniform_mean > 0 else 1.0
+        picks = rng.choices(ranges, weights=weights, k=n)
+        return [max(1, round(scale * rng.uniform(lo, hi))) for lo, hi, _ in picks]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    """One replica's KV pool as the recording shows it (``vllm:cache_config_info``)."""
+
+    num_gpu_blocks: int
+    block_size: int
+    gpu_memory_utilization: float | None
+    explicit_size: bool
+    enable_prefix_caching: bool
+    num_cpu_blocks: int
+
+    def blocks_at(self, gpu_memory_utilization: float) -> int:
+        """The pool at another memory fraction. The engine sizes it as ``fraction x memory - weights -
+        activations`` (``engine/memory.py``), but a recording carries neither the device memory nor
+        the weights, so the block count is scaled by the fraction itself: ``blocks x new / old``.
+        That is a lower bound of the real pool whenever weights and activations take memory, so a
+        candidate's predicted headroom errs on the safe side. A pool sized explicitly does not move."""
+        if self.explicit_size or self.gpu_memory_utilization is None:
+            return self.num_gpu_blocks
+        return max(1, math.floor(self.num_gpu_blocks * gpu_memory_utilization / self.gpu_memory_utilization))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrivalWindow:
+    """One pod interval's arrivals: from ``start`` (seconds from the recording's start) for
+    ``seconds``, ``num_arrivals`` of them, with the lengths of ``prompt`` / ``generation``."""
+
+    start: float
+    seconds: float
+    num_arrivals: int
+    prompt: LengthDistribution
+    generation: LengthDistribution
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What a recording says about the traffic (service-wide) and one replica's KV pool."""
+
+    windows: tuple[ArrivalWindow, ...]
+    pool: KVPool
+    step_windows: tuple[StepWindow, ...]
+    duration_s: float
+    num_pods: int
+    num_preemptions: float = 0.0  # what the recorded pods counted, all together
+    # The most requests the pods held at once (running + waiting + swapped), summed over the pods'
+    # peaks: what the clients kept in flight at most (None without the gauges).
+    peak_in_flight: int | None = None
+
+    @property
+    def preemptions_per_s(self) -> float:
+        """Recorded preemptions per second per pod (to set the predictions against)."""
+        return self.num_preemptions / self.duration_s / self.num_pods if self.duration_s > 0 else 0.0
+
+    @property
+    def num_requests(self) -> int:
+        return sum(w.num_arrivals for w in self.windows)
+
+    @property
+    def arrival_rate(self) -> float:
+        """Requests per second over the recording, service-wide."""
+        return self.num_requests / self.duration_s if self.duration_s > 0 else 0.0
+
+    def arrivals(self, seed: int = 0) -> list[Arrival]:
+        """The arrivals (seconds from the recording's start), drawn with ``seed``, in time order."""
+        rng = random.Random(seed)
+        out = []
+        for w in self.windows:
+            if not w.num_arrivals:
+                continue
+            prompts = w.prompt.sample(rng, w.num_arrivals)
+            outputs = w.generation.sample(rng, w.num_arrivals)
+            times = sorted(w.start + rng.random() * w.seconds for _ in range(w.num_arrivals))
+            out += [Arrival(t, p, o) for t, p, o in zip(times, prompts, outputs, strict=True)]
+        return sorted(out, key=lambda a: a.time)
+
+
+def pool_of(scrapes: Sequence[PlanScrape]) -> KVPool:
+    """The KV pool from the newest scrape that carries ``vllm:cache_config_info``; RecordingError
+    when none does."""
+    for scrape in sorted(scrapes, key=lambda s: s.time, reverse=True):
+        info = scrape.cache_info
+        try:
+            blocks, block_size = int(info["num_gpu_blocks"]), int(info["block_size"])
+        except (KeyError, ValueError):
+            continue
+        fraction = _float(info.get("gpu_memory_utilization"))
+        return KVPool(
+            num_gpu_blocks=blocks,
+            block_size=block_size,
+            gpu_memory_utilization=fraction,
+            explicit_size=info.get("num_gpu_blocks_override") not in (None, "", "None"),
+            enable_prefix_caching=str(info.get("enable_prefix_caching", "False")).lower() == "true",
+            num_cpu_blocks=int(_float(info.get("num_cpu_blocks")) or 0),
+        )
+    raise RecordingError(
+        f"no scrape carries {m.CACHE_CONFIG_INFO} with num_gpu_blocks and block_size: the KV pool is unknown"
+    )
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _merged(intervals: Sequence[Interval], index: int, name: str) -> Histogram | None:
+    """The histogram ``name`` over intervals ``index``, ``index + 1``, ... until it holds
+    ``MIN_LENGTH_SAMPLES`` observations, then backwards from ``index - 1`` if it still does not."""
+    total: Histogram | None = None
+    order = list(range(index, len(intervals))) + list(range(index - 1, -1, -1))
+    for i in order:
+        h = intervals[i].histograms.get(name)
+        if h is None or h.count <= 0:
+            continue
+        total = h if total is None else total + h
+        if total.count >= MIN_LENGTH_SAMPLES:
+            break
+    return total
+
+
+def step_window_of(interval: Interval) -> StepWindow | None:
+    """The engine steps of an interval and the time they took (see ``step_time``), or None when the
+    interval lacks the counts or their time."""
+    iterations = interval.histograms.get(m.ITERATION_TOKENS_TOTAL)
+    generated = interval.counters.get(m.GENERATION_TOKENS_TOTAL)
+    if iterations is None or iterations.count <= 0 or generated is None:
+        return None
+    running_before = interval.before.gauges.get(m.NUM_REQUESTS_RUNNING, 0.0)
+    running_after = interval.after.gauges.get(m.NUM_REQUESTS_RUNNING, 0.0)
+    if running_before > 0 and running_after > 0:
+        seconds = interval.seconds  # busy throughout: the steps filled the interval
+    else:
+        itl = interval.histograms.get(m.INTER_TOKEN_LATENCY_SECONDS)
+        if itl is None or itl.count <= 0:
+            return None
+        seconds = itl.sum / itl.count * iterations.count
+    return StepWindow(iterations.count, iterations.sum, generated, seconds)
+
+
+def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
+    """The :class:`Workload` of a recording's scrapes. Raises RecordingError (one line) when they
+    cannot give one: fewer than two scrapes of a pod, no request finished, no length histograms."""
+    intervals = intervals_of(scrapes)
+    if not intervals:
+        raise RecordingError("the recording needs at least two scrapes of one pod (no interval to measure)")
+    pool = pool_of(scrapes)
+    start = min(s.time for s in scrapes)
+    end = max(s.time for s in scrapes)
+    by_pod: dict[str, list[Interval]] = {}
+    for interval in intervals:
+        by_pod.setdefault(interval.pod, []).append(interval)
+    windows: list[ArrivalWindow] = []
+    lacking = []
+    for pod, series in sorted(by_pod.items()):
+        if not any(m.REQUEST_SUCCESS_TOTAL in i.counters for i in series):
+            lacking.append(f"{pod}: {m.REQUEST_SUCCESS_TOTAL}")
+            continue
+        if not any(i.histograms.get(m.REQUEST_PROMPT_TOKENS) for i in series) or not any(
+            i.histograms.get(m.REQUEST_GENERATION_TOKENS) for i in series
+        ):
+            lacking.append(f"{pod}: {m.REQUEST_PROMPT_TOKENS} / {m.REQUEST_GENERATION_TOKENS}")
+            continue
+        first_in_flight = series[0].before.in_flight or 0.0
+        finished = 0.0
+        arrived = first_in_flight  # in flight at the first scrape: queued at the start
+        counted = 0
+        for index, interval in enumerate(series):
+            finished += interval.counters.get(m.REQUEST_SUCCESS_TOTAL, 0.0)
+            in_flight = interval.after.in_flight
+            if in_flight is not None:
+                arrived = max(arrived, finished + in_flight)
+            else:
+                arrived = max(arrived, finished + first_in_flight)
+            num = math.floor(arrived + 1e-9) - counted
+            prompt = _merged(series, index, m.REQUEST_PROMPT_TOKENS)
+            generation = _merged(series, index, m.REQUEST_GENERATION_TOKENS)
+            if num > 0 and prompt is not None and generation is not None:
+                # Those in flight at the first scrape arrive at its time; the rest within the interval.
+                head = math.floor(first_in_flight) if index == 0 else 0
+                if head:
+                    windows.append(
+                        ArrivalWindow(
+                            interval.start - start,
+                            0.0,
+                            head,
+                            LengthDistribution(prompt),
+                            LengthDistribution(generation),
+                        )
+                    )
+                windows.append(
+                    ArrivalWindow(
+                        interval.start - start,
+                        interval.seconds,
+                        num - head,
+                        LengthDistribution(prompt),
+                        LengthDistribution(generation),
+                    )
+                )
+                counted += num
+    if not windows:
+        detail = f" (missing: {'; '.join(lacking)})" if lacking else ""
+        raise RecordingError(f"no request finished in the recording: nothing to plan for{detail}")
+    step_windows = tuple(w for w in (step_window_of(i) for i in intervals) if w is not None)
+    return Workload(
+        windows=tuple(windows),
+        pool=pool,
+        step_windows=step_windows,
+        duration_s=end - start,
+        num_pods=len(by_pod),
+        num_preemptions=sum(i.counters.get(m.NUM_PREEMPTIONS_TOTAL, 0.0) for i in intervals),
+        peak_in_flight=_peak_in_flight(scrapes),
+    )
+
+
+def _peak_in_flight(scrapes: Sequence[PlanScrape]) -> int | None:
+    peaks: dict[str, float] = {}
+    for scrape in scrapes:
+        if scrape.in_flight is not None:
+            peaks[scrape.pod] = max(peaks.get(scrape.pod, 0.0), scrape.in_flight)
+    total = round(sum(peaks.values()))
+    return total if peaks and total > 0 else None

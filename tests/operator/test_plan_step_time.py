@@ -1,0 +1,97 @@
+"""The step-time model: recovered from synthetic windows whose true coefficients are known."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError, StepWindow, fit_step_time
+
+TRUE = LinearStepTime(a=0.004, b=2e-5, c=3e-4)
+
+
+def _window(tokens_per_step: float, seqs_per_step: float, num_steps: int = 100, noise: float = 0.0, rng=None):
+    step = TRUE.step_seconds(tokens_per_step, seqs_per_step)
+    if noise:
+        step *= 1 + rng.uniform(-noise, noise)
+    return StepWindow(num_steps, tokens_per_step * num_steps, seqs_per_step * num_steps, step * num_steps)
+
+
+def test_exact_windows_give_the_true_coefficients() -> None:
+    windows = [_window(t, s) for t, s in [(16, 16), (512, 4), (2048, 2), (64, 60), (300, 30)]]
+    model = fit_step_time(windows)
+    assert model.terms == ("a", "b", "c")
+    assert model.a == pytest.approx(TRUE.a, rel=1e-6)
+    assert model.b == pytest.approx(TRUE.b, rel=1e-6)
+    assert model.c == pytest.approx(TRUE.c, rel=1e-6)
+    assert model.rmse_s == pytest.approx(0.0, abs=1e-9)
+    assert model.num_windows == 5
+
+
+def test_noisy_windows_come_close() -> None:
+    rng = random.Random(3)
+    windows = [
+        _window(
+            rng.uniform(8, 4096), rng.uniform(1, 128), num_steps=rng.randint(50, 500), noise=0.05, rng=rng
+        )
+        for _ in range(200)
+    ]
+    model = fit_step_time(windows)
+    assert model.a == pytest.approx(TRUE.a, rel=0.15)
+    assert model.b == pytest.approx(TRUE.b, rel=0.1)
+    assert model.c == pytest.approx(TRUE.c, rel=0.15)
+    # It predicts unseen points within the noise.
+    assert model.step_seconds(1000, 50) == pytest.approx(TRUE.step_seconds(1000, 50), rel=0.05)
+
+
+def test_windows_weigh_by_their_steps() -> None:
+    """An outlier window of one step barely moves a fit dominated by thousands of steps; the same
+    outlier over as many steps as the others drags it far."""
+    windows = [_window(t, s, num_steps=5000) for t, s in [(16, 16), (512, 4), (2048, 2), (64, 60)]]
+    truth = TRUE.step_seconds(512, 4)
+    light = fit_step_time([*windows, StepWindow(1, 100, 10, 1.0)])
+    heavy = fit_step_time([*windows, StepWindow(5000, 100 * 5000, 10 * 5000, 1.0 * 5000)])
+    assert light.step_seconds(512, 4) == pytest.approx(truth, rel=0.02)
+    assert abs(heavy.step_seconds(512, 4) - truth) > truth
+
+
+def test_windows_that_cannot_separate_the_terms_drop_the_finer_ones() -> None:
+    # Every window has the same shape: only the intercept can be estimated (the mean step time).
+    same = [_window(256, 8, num_steps=n) for n in (10, 20, 30)]
+    model = fit_step_time(same)
+    assert model.terms == ("a",)
+    assert model.a == pytest.approx(TRUE.step_seconds(256, 8))
+    assert model.b == model.c == 0.0
+    # Tokens vary but tokens and sequences move together: the per-sequence term goes.
+    collinear = [_window(16 * s, s) for s in (1, 2, 4, 8)]
+    model = fit_step_time(collinear)
+    assert model.terms == ("a", "b")
+    for s in (1, 3, 8):
+        assert model.step_seconds(16 * s, s) == pytest.approx(TRUE.step_seconds(16 * s, s), rel=1e-6)
+
+
+def test_coefficients_stay_non_negative() -> None:
+    """Step time that falls with batch size (a per-sequence term that would come out negative)."""
+    windows = [
+        StepWindow(100, t * 100, s * 100, (0.01 + 1e-5 * t - 1e-4 * s) * 100)
+        for t, s in [(100, 1), (100, 20), (900, 5), (400, 40)]
+    ]
+    model = fit_step_time(windows)
+    assert "c" not in model.terms and model.c == 0.0
+    assert model.a >= 0 and model.b >= 0
+
+
+def test_no_usable_window_is_an_error() -> None:
+    with pytest.raises(StepTimeError, match="no window"):
+        fit_step_time([StepWindow(0, 0, 0, 1.0), StepWindow(10, 100, 10, 0.0)])
+    with pytest.raises(StepTimeError, match="not all 0"):
+        LinearStepTime(a=0.0)
+    with pytest.raises(StepTimeError, match=">= 0"):
+        LinearStepTime(a=0.01, b=-1.0)
+
+
+def test_step_seconds_and_describe() -> None:
+    assert TRUE.step_seconds(1000, 10) == pytest.approx(0.004 + 0.02 + 0.003)
+    assert LinearStepTime(a=0.0, b=1e-5).step_seconds(0, 0) == 1e-5  # never zero
+    assert "4.000 ms" in TRUE.describe()

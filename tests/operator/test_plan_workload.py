@@ -1,0 +1,184 @@
+"""The workload and the step windows a recording gives: synthetic scrapes whose traffic is known, and
+the recorded vLLM storm."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpilot.operator.plan.recording import RecordingError, intervals_of, read_recording
+from kvpilot.operator.plan.workload import KVPool, workload_from_scrapes
+
+FIXTURE = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-storm.jsonl.gz"
+ISVC = {"metadata": {"name": "llm", "namespace": "llm"}}
+PROMPT_BOUNDS = (64, 128, 256)
+GEN_BOUNDS = (16, 32, 64)
+
+
+def _histogram(name: str, bounds: tuple[int, ...], value: float, count: float) -> list[str]:
+    """Prometheus text of a histogram holding ``count`` observations, all equal to ``value``."""
+    lines = []
+    for le in bounds:
+        lines.append(f'{name}_bucket{{le="{float(le)}",model_name="m"}} {count if value <= le else 0.0}')
+    lines.append(f'{name}_bucket{{le="+Inf",model_name="m"}} {count}')
+    lines.append(f'{name}_sum{{model_name="m"}} {value * count}')
+    lines.append(f'{name}_count{{model_name="m"}} {count}')
+    return lines
+
+
+def _scrape(
+    k: int,
+    *,
+    finished_per_s: int = 5,
+    in_flight: int = 2,
+    steps_per_s: int = 100,
+    cache: bool = True,
+    success: bool = True,
+) -> str:
+    """The k-th scrape (one a second) of an engine that finishes ``finished_per_s`` requests a second
+    (prompt 100, output 50 tokens), holds ``in_flight`` from the first second on (all running), and
+    runs ``steps_per_s`` steps of 8 tokens, each sampling 4 tokens."""
+    finished = finished_per_s * k
+    running = in_flight if k else 0
+    steps = steps_per_s * k
+    lines = [
+        "# TYPE vllm:num_requests_running gauge",
+        f'vllm:num_requests_running{{model_name="m"}} {running}',
+        'vllm:num_requests_waiting{model_name="m"} 0',
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5',
+        f'vllm:num_preemptions_total{{model_name="m"}} {k}',
+        f'vllm:request_success_total{{finished_reason="stop",model_name="m"}} {finished - finished // 5}',
+        f'vllm:request_success_total{{finished_reason="length",model_name="m"}} {finished // 5}',
+        f'vllm:generation_tokens_total{{model_name="m"}} {4 * steps}',
+        *_histogram("vllm:request_prompt_tokens", PROMPT_BOUNDS, 100, finished),
+        *_histogram("vllm:request_generation_tokens", GEN_BOUNDS, 50, finished),
+        *_histogram("vllm:iteration_tokens_total", (1, 8, 16), 8, steps),
+        *_histogram("vllm:inter_token_latency_seconds", (0.01, 0.1), 0.004, 4 * steps),
+    ]
+    if not success:
+        lines = [line for line in lines if not line.startswith("vllm:request_success_total")]
+    if cache:
+        lines.append(
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",gpu_memory_utilization="0.5",'
+            'enable_prefix_caching="True",num_gpu_blocks_override="None",num_cpu_blocks="None"} 1.0'
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _write(tmp_path: Path, bodies: list[tuple[float, str, str]], name: str = "rec.jsonl") -> Path:
+    path = tmp_path / name
+    text = "".join(
+        json.dumps({"time": t, "pod": pod, "ready": True, "metrics": body}) + "\n" for t, pod, body in bodies
+    )
+    if name.endswith(".gz"):
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+def test_arrivals_lengths_and_pool_from_known_traffic(tmp_path) -> None:
+    path = _write(tmp_path, [(1000.0 + k, "pod-a", _scrape(k)) for k in range(21)], "rec.jsonl.gz")
+    workload = workload_from_scrapes(read_recording(path))
+    # 5 finished a second for 20 s, and 2 still in flight at the end: 102 arrived.
+    assert workload.num_requests == 102
+    assert workload.duration_s == 20.0 and workload.num_pods == 1
+    assert workload.arrival_rate == pytest.approx(102 / 20)
+    assert workload.windows[0].num_arrivals == 7  # 5 finished + 2 in flight after the first second
+    assert workload.num_preemptions == 20 and workload.preemptions_per_s == 1.0
+    arrivals = workload.arrivals(seed=1)
+    assert len(arrivals) == 102
+    assert [a.time for a in arrivals] == sorted(a.time for a in arrivals)
+    assert 0.0 <= arrivals[0].time and arrivals[-1].time <= 20.0
+    # Lengths drawn from the buckets, scaled to the recorded means.
+    prompts = [a.prompt_len for a in arrivals]
+    outputs = [a.output_len for a in arrivals]
+    assert sum(prompts) / len(prompts) == pytest.approx(100, rel=0.05)
+    assert sum(outputs) / len(outputs) == pytest.approx(50, rel=0.05)
+    assert min(prompts) >= 64 * 100 / 96 - 1 and max(prompts) <= 128 * 100 / 96 + 1
+    assert workload.arrivals(seed=1) == arrivals and workload.arrivals(seed=2) != arrivals
+    assert workload.pool == KVPool(1000, 16, 0.5, False, True, 0)
+    assert workload.peak_in_flight == 2
+
+
+def test_step_windows_from_busy_and_idle_intervals(tmp_path) -> None:
+    path = _write(tmp_path, [(1000.0 + k, "pod-a", _scrape(k)) for k in range(4)])
+    windows = workload_from_scrapes(read_recording(path)).step_windows
+    # The first interval starts idle (nothing running at the first scrape): its steps take the mean
+    # inter-token latency, 4 ms; the others are busy throughout: 1 s for 100 steps.
+    assert [w.num_steps for w in windows] == [100, 100, 100]
+    assert windows[0].step_seconds == pytest.approx(0.004)
+    assert [w.step_seconds for w in windows[1:]] == [pytest.approx(0.01)] * 2
+    assert windows[1].tokens_per_step == 8 and windows[1].seqs_per_step == 4
+    assert windows[1].output_tokens_per_s == 400
+
+
+def test_pods_add_up_and_a_restart_is_left_out(tmp_path) -> None:
+    bodies = [(1000.0 + k, "pod-a", _scrape(k)) for k in range(11)]
+    bodies += [(1000.2 + k, "pod-b", _scrape(k)) for k in range(6)]
+    bodies += [(1006.2 + k, "pod-b", _scrape(k)) for k in range(5)]  # restarted: counters from 0
+    scrapes = read_recording(_write(tmp_path, bodies))
+    intervals = intervals_of(scrapes)
+    assert sum(1 for i in intervals if i.pod == "pod-b") == 9  # the 10th, across the restart, is out
+    workload = workload_from_scrapes(scrapes)
+    assert workload.num_pods == 2
+    assert workload.peak_in_flight == 4  # the pods' peaks add up
+    assert workload.num_requests == 52 + 27 + 20  # pod-a 10 s; pod-b 5 s, then 4 s after its restart
+
+
+def test_blocks_at_scales_by_the_fraction() -> None:
+    pool = KVPool(1000, 16, 0.5, False, False, 0)
+    assert pool.blocks_at(0.5) == 1000 and pool.blocks_at(0.9) == 1800 and pool.blocks_at(0.25) == 500
+    explicit = KVPool(1000, 16, 0.5, True, False, 0)
+    assert explicit.blocks_at(0.9) == 1000
+
+
+@pytest.mark.parametrize(
+    "bodies,message",
+    [
+        ([(1000.0, "p", _scrape(0))], "at least two scrapes"),
+        ([(1000.0 + k, "p", _scrape(k, cache=False)) for k in range(3)], "vllm:cache_config_info"),
+        (
+            [(1000.0 + k, "p", _scrape(k, finished_per_s=0, in_flight=0)) for k in range(3)],
+            "no request finished",
+        ),
+        ([(1000.0 + k, "p", _scrape(k, success=False)) for k in range(3)], "vllm:request_success_total"),
+    ],
+    ids=["one-scrape", "no-cache-info", "nothing-finished", "no-counters"],
+)
+def test_unusable_recordings_give_one_clear_line(tmp_path, bodies, message) -> None:
+    with pytest.raises(RecordingError, match=message) as info:
+        workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert "\n" not in str(info.value)
+
+
+def test_unreadable_files_give_one_clear_line(tmp_path) -> None:
+    with pytest.raises(RecordingError, match="cannot read"):
+        read_recording(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(RecordingError, match="line 1"):
+        read_recording(bad)
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(b"\x1f\x8b garbage")
+    with pytest.raises(RecordingError, match="cannot read"):
+        read_recording(broken)
+
+
+def test_the_recorded_storm_gives_its_long_requests_to_the_storm() -> None:
+    workload = workload_from_scrapes(read_recording(FIXTURE, ISVC))
+    assert workload.pool.num_gpu_blocks == 24 and workload.pool.block_size == 32
+    assert workload.num_requests == 612  # every request of the recording finished by its end
+    assert workload.num_preemptions == 295
+    phases = [json.loads(line) for line in gzip.decompress(FIXTURE.read_bytes()).decode().splitlines()]
+    t0 = phases[0]["time"]
+    storm = [p["time"] - t0 for p in phases if p["phase"] == "storm"]
+    calm = [w for w in workload.windows if w.start + w.seconds <= storm[0]]
+    stormy = [w for w in workload.windows if storm[0] + 2 <= w.start <= storm[-1] - 5]
+    assert calm and stormy
+    assert all(w.prompt.mean == 16 and w.generation.mean == 8 for w in calm[:-1])
+    assert all(w.generation.mean > 100 for w in stormy)
+    assert len(workload.step_windows) > 30
