@@ -251,6 +251,21 @@ def _positive_seconds(value: str) -> float:
     return number
 
 
+def read_one_inference_service(filename: str) -> dict[str, Any] | None:
+    """The one InferenceService in the YAML file ``filename`` (``-``: stdin), as ``kvpilot replay`` and
+    ``kvpilot plan`` take it; None after one error line on stderr (unreadable, or not exactly one)."""
+    try:
+        documents = [d for d in _load_documents(filename) if isinstance(d, dict)]
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"error: cannot read {filename}: {exc}", file=sys.stderr)
+        return None
+    isvcs = [d for d in documents if d.get("kind") == names.KIND]
+    if len(isvcs) != 1:
+        print(f"error: {filename} must hold exactly one {names.KIND}, found {len(isvcs)}", file=sys.stderr)
+        return None
+    return isvcs[0]
+
+
 def _load_documents(filename: str) -> list[Any]:
     if filename == "-":
         return [d for d in yaml.safe_load_all(sys.stdin) if d is not None]
@@ -311,29 +326,19 @@ def run_replay(args: argparse.Namespace) -> int:
 
     from kvpilot.operator.remediation.replay import ReplayError, format_table, read_records, replay, summary
 
-    try:
-        documents = [d for d in _load_documents(args.filename) if isinstance(d, dict)]
-    except (OSError, yaml.YAMLError) as exc:
-        print(f"error: cannot read {args.filename}: {exc}", file=sys.stderr)
-        return 1
-    isvcs = [d for d in documents if d.get("kind") == names.KIND]
-    if len(isvcs) != 1:
-        print(
-            f"error: {args.filename} must hold exactly one {names.KIND}, found {len(isvcs)}", file=sys.stderr
-        )
+    isvc = read_one_inference_service(args.filename)
+    if isvc is None:
         return 1
     try:
         if args.metrics == "-":
-            records = read_records(sys.stdin, isvcs[0])
+            records = read_records(sys.stdin, isvc)
         else:
             with open(args.metrics, encoding="utf-8") as handle:
-                records = read_records(handle, isvcs[0])
+                records = read_records(handle, isvc)
         rows = []
         decisions = []
-        final = isvcs[0]
-        for time_, decision, state in replay(
-            isvcs[0], records, mode=args.mode, stale_after_s=args.stale_after
-        ):
+        final = isvc
+        for time_, decision, state in replay(isvc, records, mode=args.mode, stale_after_s=args.stale_after):
             final = state
             decisions.append(decision)
             if args.output == "json":

@@ -16,9 +16,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import yaml
-
-from kvpilot.operator.api import names
 from kvpilot.operator.plan.candidates import (
     Candidate,
     CandidateResult,
@@ -186,20 +183,11 @@ def plan_document(
 def run_plan_command(args: argparse.Namespace) -> int:
     """``kvpilot plan``: 0 with the table on stdout, or 1 with one error line on stderr."""
     from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.cli import read_one_inference_service
 
-    try:
-        with open(args.filename, encoding="utf-8") as handle:
-            documents = [d for d in yaml.safe_load_all(handle) if isinstance(d, dict)]
-    except (OSError, yaml.YAMLError) as exc:
-        print(f"error: cannot read {args.filename}: {exc}", file=sys.stderr)
+    isvc = read_one_inference_service(args.filename)
+    if isvc is None:
         return 1
-    isvcs = [d for d in documents if d.get("kind") == names.KIND]
-    if len(isvcs) != 1:
-        print(
-            f"error: {args.filename} must hold exactly one {names.KIND}, found {len(isvcs)}", file=sys.stderr
-        )
-        return 1
-    isvc = isvcs[0]
     settings = resolve(isvc)
     if not settings.is_valid:
         print("error: invalid InferenceService: " + "; ".join(settings.problems), file=sys.stderr)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import socket
 from pathlib import Path
-from urllib.parse import urlparse
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,7 +19,8 @@ from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFul
 from kvpilot.engine.server.errors import from_exception, refusal_reason
 from kvpilot.engine.stats import FinishedRequestStats
 
-from .conftest import API_KEY, MODEL_NAME
+from .conftest import MODEL_NAME
+from .test_errors import post_oversized
 
 SCRAPES = Path(__file__).resolve().parents[1] / "operator" / "fixtures" / "vllm-0.32-cpu-storm.jsonl.gz"
 
@@ -88,31 +87,13 @@ def _refused(server, reason: str) -> float:
     return server.metrics().value(names.REQUESTS_REFUSED_TOTAL, reason=reason)
 
 
-def _post_oversized(server) -> bytes:
-    """Announce a 64 MiB body, send a few bytes and read the answer (the server refuses it unread)."""
-    url = urlparse(server.url)
-    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {64 << 20}\r\n\r\n".encode()
-            + b'{"prompt": "'
-        )
-        reply = b""
-        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
-            data = sock.recv(65536)
-            if not data:
-                break
-            reply += data
-    return reply
-
-
 def test_refused_requests_are_counted_by_reason(server) -> None:
     before = {reason: _refused(server, reason) for reason in names.REFUSED_REASONS}
     bad = server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": -1})
     assert bad.status_code == 400
     bad = server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "stop": ["s"] * 1000})
     assert bad.status_code == 400
-    assert _post_oversized(server).startswith(b"HTTP/1.1 413")
+    assert post_oversized(server).startswith(b"HTTP/1.1 413")
     server.client().completions.create(model=MODEL_NAME, prompt="fine", max_tokens=2)  # not a refusal
     after = {reason: _refused(server, reason) for reason in names.REFUSED_REASONS}
     assert {r: after[r] - before[r] for r in after} == {
