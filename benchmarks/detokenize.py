@@ -54,37 +54,14 @@ def generated_text(rng: random.Random, lexicon: list[str], num_chars: int) -> st
 
 def train(style: str, vocab_size: int, corpus: list[str]):
     """A ``PreTrainedTokenizerFast`` of ``style`` (byte_level | sentencepiece) trained on ``corpus``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from kvpilot.engine.models.synthetic import train_byte_level_bpe, train_sentencepiece_bpe
+
     if style == "byte_level":
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=SPECIALS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(corpus, trainer=trainer)
+        tok = train_byte_level_bpe(corpus, vocab_size, SPECIALS)
     else:
-        tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-        tok.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-        )
-        byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=SPECIALS + byte_tokens,
-            limit_alphabet=200,
-            show_progress=False,
-        )
-        tok.train_from_iterator(corpus, trainer=trainer)
-        spec = json.loads(tok.to_str())
-        spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIALS]
-        tok = Tokenizer.from_str(json.dumps(spec))
+        tok = train_sentencepiece_bpe(corpus, vocab_size, SPECIALS, limit_alphabet=200)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",

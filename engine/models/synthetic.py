@@ -89,21 +89,57 @@ def _corpus(max_bytes: int) -> list[str]:
     return texts
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
-    """Train and save a byte-level BPE tokenizer (with a ChatML-style chat template)."""
+def train_byte_level_bpe(corpus, vocab_size: int, special_tokens: list[str]):
+    """A GPT-2-style ``tokenizers.Tokenizer`` (byte-level pre-tokenizer and decoder) trained on the
+    texts of ``corpus``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(max(1_500_000, vocab_size * 400)), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def train_sentencepiece_bpe(corpus, vocab_size: int, special_tokens: list[str], limit_alphabet: int):
+    """A Llama-2-style ``tokenizers.Tokenizer`` trained on ``corpus``: Metaspace with a leading-space
+    scheme, a BPE with byte fallback (``<0xE2>`` tokens for the characters outside its
+    ``limit_alphabet`` most frequent ones), decoded by Replace, ByteFallback, Fuse and Strip (which
+    drops the first space). The byte tokens are ordinary vocabulary entries, as in a converted
+    SentencePiece model; only ``special_tokens`` stay added tokens."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens + byte_tokens,
+        limit_alphabet=limit_alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in special_tokens]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """Train and save a byte-level BPE tokenizer (with a ChatML-style chat template)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_byte_level_bpe(_corpus(max(1_500_000, vocab_size * 400)), vocab_size, SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=SPECIAL_TOKENS[0],

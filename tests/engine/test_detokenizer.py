@@ -10,17 +10,17 @@ where the output's last character is complete): the detokenizer's text must be t
 
 from __future__ import annotations
 
-import json
 import random
 import zlib
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, ByT5Tokenizer, PreTrainedTokenizerFast
 
 from kvpilot.engine import detokenizer
 from kvpilot.engine.detokenizer import IncrementalDetokenizer, StopStrings, stream_backend
+from kvpilot.engine.models.synthetic import train_byte_level_bpe, train_sentencepiece_bpe
 
 REPLACEMENT = "\ufffd"
 SPECIALS = ["<unk>", "<s>", "</s>", "<|mid|>"]
@@ -55,42 +55,14 @@ def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
 
 def byte_level_bpe(vocab_size: int = 800) -> PreTrainedTokenizerFast:
     """GPT-2 style: byte-level pre-tokenizer and decoder."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    return _wrap(tok)
+    return _wrap(train_byte_level_bpe(_corpus(), vocab_size, SPECIALS))
 
 
 def sentencepiece_bpe(vocab_size: int = 600) -> PreTrainedTokenizerFast:
-    """Llama-2 style: Metaspace with a leading-space scheme, a BPE with byte fallback (``<0xE2>`` tokens
-    for characters outside its alphabet), decoded by Replace, ByteFallback, Fuse and Strip (which drops
-    the first space: why the detokenizer needs the prompt as left context)."""
-    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    # A small alphabet: the rarer characters (emoji, most CJK) only exist as byte tokens.
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS + byte_tokens,
-        limit_alphabet=70,
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    # The byte tokens are ordinary vocabulary entries (as in a converted SentencePiece model), not added
-    # tokens: only the specials stay added.
-    spec = json.loads(tok.to_str())
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIALS]
-    return _wrap(Tokenizer.from_str(json.dumps(spec)))
+    """Llama-2 style, byte fallback (``<0xE2>`` tokens), a Strip decoder that drops the first space
+    (why the detokenizer needs the prompt as left context). A small alphabet: the rarer characters
+    (emoji, most CJK) only exist as byte tokens."""
+    return _wrap(train_sentencepiece_bpe(_corpus(), vocab_size, SPECIALS, limit_alphabet=70))
 
 
 class FallbackView:
