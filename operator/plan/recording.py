@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import metrics_names as m
-from kvpilot.operator.remediation.metrics import Histogram
+from kvpilot.operator.remediation.metrics import Histogram, histogram_from_parts
 from kvpilot.operator.remediation.replay import Record, ReplayError, read_records
 
 # Histograms (summed over series) and counters the plan reads.
@@ -93,18 +93,35 @@ def _samples(metrics: Any) -> Iterable[tuple[str, dict[str, str], float]]:
                 yield str(name), dict(labels or {}), float(value)
 
 
+# Gauges bounded above as well (a fraction).
+_AT_MOST_ONE = (m.KV_CACHE_USAGE_PERC,)
+
+
+def _label_text(labels: Mapping[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""
+
+
 def parse_plan_scrape(record: Record) -> PlanScrape:
     """The plan's view of one record's metrics. Raises RecordingError for a body that is not
-    Prometheus text (or parsed samples)."""
+    Prometheus text (or parsed samples), and for one holding samples no healthy engine exports (a
+    NaN, a negative count, a KV usage above 1, a histogram whose buckets are not cumulative): as the
+    policy refuses to act on them, no plan is built on them."""
     counters: dict[str, float] = {}
     gauges: dict[str, float] = {}
     parts: dict[str, dict[str, Any]] = {}
     cache_info: dict[str, str] = {}
+    invalid: list[str] = []
     try:
         for name, labels, value in _samples(record.metrics):
-            if not math.isfinite(value):
-                continue  # no healthy engine exports it; the interval then lacks that metric
             canonical = m.canonical_name(name)
+            part_of = m.canonical_name(name.rsplit("_", 1)[0])  # a histogram's, for its samples
+            read = canonical in COUNTERS or canonical in GAUGES or part_of in HISTOGRAMS
+            if read and not (math.isfinite(value) and value >= 0):
+                invalid.append(f"{name}{_label_text(labels)}={value:g}")
+                continue
+            if canonical in _AT_MOST_ONE and value > 1:
+                invalid.append(f"{name}{_label_text(labels)}={value:g}")
+                continue
             if canonical in COUNTERS:
                 counters[canonical] = counters.get(canonical, 0.0) + value
             elif canonical in GAUGES:
@@ -126,9 +143,20 @@ def parse_plan_scrape(record: Record) -> PlanScrape:
         raise RecordingError(f"{record.pod} at {record.time}: unreadable metrics ({exc})") from exc
     histograms = {}
     for name, entry in parts.items():
-        buckets = tuple(sorted((le, c) for le, c in entry["buckets"].items() if not math.isnan(le)))
-        if buckets and buckets[-1][0] == math.inf and "sum" in entry and "count" in entry:
-            histograms[name] = Histogram(buckets, entry["sum"], entry["count"])
+        if any(math.isnan(le) for le in entry["buckets"]):
+            invalid.append(f"{name}: a bucket bound that is not a number")
+            continue
+        histogram = histogram_from_parts(name, entry)  # the policy's own check of a histogram
+        if isinstance(histogram, str):
+            invalid.append(histogram)
+        else:
+            histograms[name] = histogram
+    if invalid:
+        more = f" (and {len(invalid) - 1} more)" if len(invalid) > 1 else ""
+        raise RecordingError(
+            f"{record.pod} at {record.time:.3f}: samples no healthy engine exports, which the policy "
+            f"refuses to act on, so no plan is built on them: {invalid[0]}{more}"
+        )
     return PlanScrape(record.time, record.pod, counters, gauges, histograms, cache_info)
 
 

@@ -118,7 +118,7 @@ def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...]) -> fl
     return start + (end - start) * (rank / count) if count > 0 else None
 
 
-def _histogram(name: str, parts: dict[str, dict]) -> Histogram | str:
+def histogram_from_parts(name: str, parts: dict[str, dict]) -> Histogram | str:
     """The histogram ``name`` from its summed samples (``parts``: "buckets" le -> count, "sum",
     "count"), or why no healthy engine exports it as it is."""
     buckets = sorted(parts.get("buckets", {}).items())
@@ -284,7 +284,7 @@ def parse_scrape(metrics: str | list | dict, time: float) -> Scrape:
     healthy = all(v is not None and math.isfinite(v) and v >= 0 for v in (*token_sums, finished))
     latency: dict[str, Histogram] = {}
     for histogram, parts in histograms.items():
-        result = bad_histograms.get(histogram) or _histogram(histogram, parts)
+        result = bad_histograms.get(histogram) or histogram_from_parts(histogram, parts)
         if isinstance(result, str):
             bad_histograms[histogram] = result
         else:

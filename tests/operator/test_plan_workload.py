@@ -182,3 +182,41 @@ def test_the_recorded_storm_gives_its_long_requests_to_the_storm() -> None:
     assert all(w.prompt.mean == 16 and w.generation.mean == 8 for w in calm[:-1])
     assert all(w.generation.mean > 100 for w in stormy)
     assert len(workload.step_windows) > 30
+
+
+def _spoil(body: str, line_start: str, new_line: str) -> str:
+    lines = body.splitlines()
+    index = next(i for i, line in enumerate(lines) if line.startswith(line_start))
+    lines[index] = new_line
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "line_start,new_line,shown",
+    [
+        ("vllm:num_preemptions_total", 'vllm:num_preemptions_total{model_name="m"} NaN', "=nan"),
+        ("vllm:num_requests_waiting", 'vllm:num_requests_waiting{model_name="m"} -1', "=-1"),
+        ("vllm:kv_cache_usage_perc", 'vllm:kv_cache_usage_perc{model_name="m"} 1.5', "=1.5"),
+        (
+            'vllm:request_prompt_tokens_bucket{le="64.0"',
+            'vllm:request_prompt_tokens_bucket{le="64.0",model_name="m"} 99.0',
+            "buckets not cumulative",
+        ),
+        (
+            "vllm:iteration_tokens_total_count",
+            'vllm:iteration_tokens_total_count{model_name="m"} 1.0',
+            "is not the +Inf bucket's",
+        ),
+    ],
+    ids=["nan-counter", "negative-gauge", "kv-above-one", "non-cumulative", "count-mismatch"],
+)
+def test_a_recording_with_invalid_samples_is_refused(tmp_path, line_start, new_line, shown) -> None:
+    """The policy refuses to act on samples no healthy engine exports; the plan is not built on them."""
+    bodies = [(1000.0 + k, "p", _scrape(k)) for k in range(4)]
+    bodies[2] = (bodies[2][0], "p", _spoil(bodies[2][2], line_start, new_line))
+    with pytest.raises(RecordingError, match="no plan is built on them") as info:
+        read_recording(_write(tmp_path, bodies))
+    assert shown in str(info.value) and "p at 1002.000" in str(info.value)
+    assert "\n" not in str(info.value)
+    # The same recording without the spoiled scrape is usable.
+    assert workload_from_scrapes(read_recording(_write(tmp_path, bodies[:2] + bodies[3:], "ok.jsonl")))
