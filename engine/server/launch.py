@@ -22,9 +22,10 @@ from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.metrics import LoggingStatLogger, PrometheusStatLogger
 from kvpilot.engine.server.app import build_app
-from kvpilot.engine.server.cli import read_live_config_file, request_limits_from
+from kvpilot.engine.server.cli import request_limits_from
 from kvpilot.engine.server.protocol import GENERATION_CONFIG_KEYS
 from kvpilot.engine.server.serving import ServerState
+from kvpilot.engine.server.startup_inputs import read_live_config_file
 
 logger = logging.getLogger("kvpilot.serve")
 

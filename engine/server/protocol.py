@@ -15,17 +15,16 @@ strings and their length, the number of ``stop_token_ids``, and prompts x ``n``.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from kvpilot.engine.errors import InvalidRequestError, SamplingParamsError
-from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvpilot.engine.errors import SamplingParamsError
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server import constraints
 from kvpilot.engine.server.errors import APIError, ClientDisconnected, bad_request, not_supported
 from kvpilot.engine.server.limits import RequestLimits, UnknownFieldsLog
-from kvpilot.engine.structured_output import check_constraint
 
 MAX_BODY_BYTES = 16 << 20  # far beyond any prompt a max_model_len admits; stops memory abuse
 MAX_N = 128
@@ -312,7 +311,7 @@ GENERATION_CONFIG_KEYS = {
 
 def check_unsupported(req: _SamplingFields) -> None:
     """Reject OpenAI features this engine does not implement (a silent no-op would mislead)."""
-    for name, key in _REMOVED_GUIDED_FIELDS.items():
+    for name, key in constraints.REMOVED_GUIDED_FIELDS.items():
         if name in (req.model_extra or {}):
             raise bad_request(
                 f"{name} was removed in vLLM 0.12 and is not accepted: send "
@@ -345,8 +344,9 @@ def to_sampling_params(
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    logit_bias = _logit_bias(req.logit_bias)
-    structured = structured_outputs(req)
+    logit_bias = constraints.logit_bias(req.logit_bias)
+    response_format = req.response_format if isinstance(req, ChatCompletionRequest) else None
+    structured = constraints.structured_outputs(req.structured_outputs, response_format)
     try:
         return SamplingParams(
             n=req.n,
@@ -373,153 +373,6 @@ def to_sampling_params(
         message = str(exc)
         param = message.split(" ", 1)[0]
         raise bad_request(message, param=param if param in type(req).model_fields else None) from None
-
-
-# The constraint fields vLLM removed in 0.12, and the structured_outputs key each became.
-_REMOVED_GUIDED_FIELDS = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-_LOGIT_BIAS_KEY = re.compile(r"-?[0-9]+")
-# structured_outputs keys: what each must be (the engine's StructuredOutputsParams fields), and
-# vLLM's other keys, which this engine does not implement.
-_STRUCTURED_KEYS = {
-    "json": (dict, str),
-    "regex": (str,),
-    "choice": (list,),
-    "grammar": (str,),
-    "json_object": (bool,),
-}
-_STRUCTURED_UNSUPPORTED = {
-    "structural_tag",
-    "whitespace_pattern",
-    "disable_any_whitespace",
-    "disable_additional_properties",
-    "disable_fallback",
-}
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's ``{"<token id>": bias}`` with integer keys (ranges: ``SamplingParams``; the vocabulary
-    bound: the input processor)."""
-    if not bias:
-        return None
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        if not _LOGIT_BIAS_KEY.fullmatch(key):
-            raise bad_request(
-                f"logit_bias keys must be token ids (integers), got {key!r}", param="logit_bias"
-            )
-        out[int(key)] = value
-    return out
-
-
-def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
-    """The request's output constraint, from ``structured_outputs`` or (chat) ``response_format``;
-    None for plain text. A 400 naming the field for a malformed one, two at once, or a schema, regex or
-    grammar the library cannot parse (with its message)."""
-    found: list[tuple[str, StructuredOutputsParams]] = []
-    if req.structured_outputs is not None:
-        found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
-    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
-        so = _from_response_format(req.response_format)
-        if so is not None:
-            found.append(("response_format", so))
-    if not found:
-        return None
-    if len(found) > 1:
-        raise bad_request(
-            "give one output constraint: response_format and structured_outputs are both set",
-            param="structured_outputs",
-        )
-    field, so = found[0]
-    try:
-        check_constraint(so)
-    except InvalidRequestError as exc:
-        message = str(exc)
-        if field == "response_format":
-            message = message.replace(
-                f"structured_outputs.{so.kind}", "response_format.json_schema.schema", 1
-            )
-        raise bad_request(message, param=field) from None
-    return so
-
-
-def _from_structured_outputs(obj: dict[str, Any]) -> StructuredOutputsParams:
-    for key, value in obj.items():
-        if key in _STRUCTURED_UNSUPPORTED:
-            raise not_supported(f"structured_outputs.{key}", f"structured_outputs.{key}")
-        if key not in _STRUCTURED_KEYS:
-            raise bad_request(
-                f"structured_outputs has an unknown key {key!r}; use one of {', '.join(_STRUCTURED_KEYS)}",
-                param=f"structured_outputs.{key}",
-            )
-        if value is not None and not isinstance(value, _STRUCTURED_KEYS[key]):
-            raise bad_request(
-                f"structured_outputs.{key} must be {_STRUCTURED_HINTS[key]}",
-                param=f"structured_outputs.{key}",
-            )
-    kwargs = {key: value for key, value in obj.items() if value is not None}
-    try:
-        return StructuredOutputsParams(**kwargs)
-    except SamplingParamsError as exc:
-        raise bad_request(str(exc), param="structured_outputs") from None
-
-
-_STRUCTURED_HINTS = {
-    "json": "a JSON schema (an object, or its JSON text)",
-    "regex": "a string",
-    "choice": "an array of strings",
-    "grammar": "a string (an EBNF grammar)",
-    "json_object": "a boolean",
-}
-
-
-def _from_response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
-    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema`` with
-    ``{"name", "schema", "strict"?, "description"?}``."""
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise bad_request(
-                'response_format.json_schema must be an object {"name": ..., "schema": {...}} when type is '
-                "json_schema",
-                param="response_format.json_schema",
-            )
-        schema = spec.get("schema")
-        if not isinstance(schema, dict):
-            raise bad_request(
-                "response_format.json_schema.schema must be a JSON schema object",
-                param="response_format.json_schema.schema",
-            )
-        name = spec.get("name")
-        if name is not None and not isinstance(name, str):
-            raise bad_request(
-                "response_format.json_schema.name must be a string", param="response_format.json_schema.name"
-            )
-        strict = spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise bad_request(
-                "response_format.json_schema.strict must be a boolean",
-                param="response_format.json_schema.strict",
-            )
-        try:
-            return StructuredOutputsParams(json=schema)
-        except SamplingParamsError as exc:
-            raise bad_request(str(exc), param="response_format") from None
-    if kind == "structural_tag":
-        raise not_supported("response_format structural_tag", "response_format")
-    raise bad_request(
-        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-        param="response_format.type",
-    )
 
 
 def default_max_tokens(req: _SamplingFields, defaults: dict[str, Any]) -> int | None:

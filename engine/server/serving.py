@@ -18,9 +18,9 @@ from starlette.responses import JSONResponse
 from kvpilot.engine.async_engine import AsyncEngine, PromptInput, RequestStream
 from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.server.cli import normalize_api_key
 from kvpilot.engine.server.errors import APIError, ClientDisconnected, from_exception
 from kvpilot.engine.server.limits import RequestLimits
+from kvpilot.engine.server.startup_inputs import normalize_api_key
 
 logger = logging.getLogger("kvpilot.server")
 

@@ -211,7 +211,7 @@ def test_request_limit_flags_parse_and_are_documented(capsys):
 
 
 def test_api_key_resolution():
-    from kvpilot.engine.server.cli import resolve_api_key
+    from kvpilot.engine.server.startup_inputs import resolve_api_key
 
     assert resolve_api_key(None, None) is None
     assert resolve_api_key("key\n", None) == "key"  # kubectl create secret --from-file keeps the newline
@@ -245,7 +245,7 @@ def test_an_empty_api_key_refuses_to_start(tmp_path, argv, env):
 
 
 def test_chat_template_paths_must_exist(tmp_path):
-    from kvpilot.engine.server.cli import looks_like_path, read_chat_template
+    from kvpilot.engine.server.startup_inputs import looks_like_path, read_chat_template
 
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")

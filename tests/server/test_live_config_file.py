@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvpilot.engine.errors import ConfigError
-from kvpilot.engine.server.cli import read_live_config_file
+from kvpilot.engine.server.startup_inputs import read_live_config_file
 
 from .conftest import ServerProcess
 

@@ -161,7 +161,7 @@ def test_model_is_taken_positionally_or_as_a_flag_and_must_agree() -> None:
 
 def test_api_key_order_is_flag_then_kvpilot_then_vllm_variable() -> None:
     from kvpilot.engine.errors import ConfigError
-    from kvpilot.engine.server.cli import resolve_api_key
+    from kvpilot.engine.server.startup_inputs import resolve_api_key
 
     assert resolve_api_key(None, None, "vllm\n") == "vllm"
     assert resolve_api_key(None, "kvpilot", "vllm") == "kvpilot"
