@@ -85,6 +85,7 @@ class PrometheusStatLogger(StatLoggerBase):
         max_model_len: int,
         max_num_batched_tokens: int,
         registry: CollectorRegistry | None = None,
+        kv_pool: dict[str, Any] | None = None,
     ) -> None:
         self.model_name = model_name
         self.registry = registry = registry if registry is not None else CollectorRegistry()
@@ -234,6 +235,12 @@ class PrometheusStatLogger(StatLoggerBase):
             self._live_config,
         )
         info(
+            names.KV_POOL_INFO,
+            "What the KV pool was sized from: memory budget, weights, activation peak, bytes per block.",
+            names.KV_POOL_LABELS,
+            dict(kv_pool or {}),
+        )
+        info(
             names.MODEL_CONFIG_INFO,
             "Model shape and parallelism of this engine.",
             names.MODEL_CONFIG_LABELS,
@@ -287,10 +294,17 @@ class PrometheusStatLogger(StatLoggerBase):
             "max_num_batched_tokens": engine.max_num_batched_tokens,
             "dtype": dtype,
         }
+        kv_pool = {
+            "memory_budget_bytes": plan.budget_bytes,
+            "weights_bytes": plan.weights_bytes,
+            "activation_bytes": plan.activation_bytes,
+            "bytes_per_block": plan.bytes_per_block,
+        }
         return cls(
             model_name,
             cache_config=cache_config,
             model_config=model_config,
+            kv_pool=kv_pool,
             max_model_len=engine.max_model_len,
             max_num_batched_tokens=engine.max_num_batched_tokens,
             registry=registry,

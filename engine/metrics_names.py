@@ -78,6 +78,13 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # intermediate size).
 MODEL_CONFIG_INFO = "kvpilot_model_config_info"  # ours alone: Prometheus naming (no ":")
 
+# Ours: what the KV pool was sized from (engine/memory.py plan_kv_pool): the memory the fraction applies
+# to, the weights and activation peak taken off it, and the bytes of one block, so that a planner can
+# size the pool at another gpu_memory_utilization the way the engine would. Empty values: sized
+# explicitly (num_gpu_blocks_override / kv_cache_memory_bytes).
+KV_POOL_INFO = "kvpilot_kv_pool_info"
+KV_POOL_LABELS = ("memory_budget_bytes", "weights_bytes", "activation_bytes", "bytes_per_block")
+
 # Ours: the settings that change at run time (``POST /admin/config``), as in force at this scrape.
 CONFIG_INFO = "kvpilot_config_info"
 CONFIG_LABELS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "preemption_mode")
@@ -166,7 +173,7 @@ HISTOGRAMS = (
     REQUEST_PARAMS_MAX_TOKENS,
     ITERATION_TOKENS_TOTAL,
 )
-INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO, CONFIG_INFO)
+INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO, CONFIG_INFO, KV_POOL_INFO)
 ALL_METRICS = GAUGES + COUNTERS + HISTOGRAMS + INFO
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 

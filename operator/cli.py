@@ -16,7 +16,13 @@ import yaml
 
 from kvpilot.operator import leader
 from kvpilot.operator.api import names
-from kvpilot.operator.api.platform import DEFAULT_ENGINE_IMAGE, DEFAULT_VLLM_IMAGE, Platform, split_list
+from kvpilot.operator.api.platform import (
+    DEFAULT_ENGINE_IMAGE,
+    DEFAULT_ROUTER_IMAGE,
+    DEFAULT_VLLM_IMAGE,
+    Platform,
+    split_list,
+)
 
 _GLOB_CHARS = set("*?[]!")
 # The chart passes its values to the operator through these (a flag wins over its variable).
@@ -24,6 +30,7 @@ ENV_DEFAULT_IMAGE = "KVPILOT_DEFAULT_IMAGE"
 ENV_DEFAULT_VLLM_IMAGE = "KVPILOT_DEFAULT_VLLM_IMAGE"
 ENV_ALLOWED_REGISTRIES = "KVPILOT_ALLOWED_REGISTRIES"
 ENV_ALLOWED_SERVICE_ACCOUNTS = "KVPILOT_ALLOWED_SERVICE_ACCOUNTS"
+ENV_ROUTER_IMAGE = "KVPILOT_ROUTER_IMAGE"
 
 
 def _add_default_image(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +48,13 @@ def _add_default_image(parser: argparse.ArgumentParser) -> None:
         help="image for InferenceServices with spec.runtime vllm whose spec.image is unset (default: "
         f"${ENV_DEFAULT_VLLM_IMAGE}, else {DEFAULT_VLLM_IMAGE})",
     )
+    parser.add_argument(
+        "--router-image",
+        default=None,
+        metavar="IMAGE",
+        help="image spec.router.frontDoor pods run `kvpilot router` from when it sets none (default: "
+        f"${ENV_ROUTER_IMAGE}, else {DEFAULT_ROUTER_IMAGE})",
+    )
 
 
 def platform_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Platform:
@@ -51,11 +65,13 @@ def platform_from(args: argparse.Namespace, environ: dict[str, str] | None = Non
     vllm_image = (
         getattr(args, "default_vllm_image", None) or env.get(ENV_DEFAULT_VLLM_IMAGE) or DEFAULT_VLLM_IMAGE
     )
+    router_image = getattr(args, "router_image", None) or env.get(ENV_ROUTER_IMAGE) or DEFAULT_ROUTER_IMAGE
     registries = getattr(args, "allowed_registries", None)
     accounts = getattr(args, "allowed_service_accounts", None)
     return Platform(
         default_image=image,
         default_vllm_image=vllm_image,
+        router_image=router_image,
         allowed_registries=split_list(
             registries if registries is not None else env.get(ENV_ALLOWED_REGISTRIES)
         ),
@@ -231,6 +247,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     replay.add_argument(
         "--changes-only", action="store_true", help="table output: only evaluations that change something"
     )
+    paths = replay.add_mutually_exclusive_group()
+    paths.add_argument(
+        "--no-plan",
+        action="store_true",
+        help="the ladder alone: replay as if spec.remediation.plan.enabled were false",
+    )
+    paths.add_argument(
+        "--both-paths",
+        action="store_true",
+        help="replay twice, with the plan and with the ladder alone, and print both (JSON lines carry "
+        '"run": "plan" or "ladder")',
+    )
     replay.set_defaults(func=run_replay)
 
 
@@ -324,27 +352,44 @@ def run_replay(args: argparse.Namespace) -> int:
     """``kvpilot replay -f ISVC --metrics SAMPLES``: 0 and the decisions on stdout, or 1 and why not."""
     import json
 
-    from kvpilot.operator.remediation.replay import ReplayError, format_table, read_records, replay, summary
+    from kvpilot.operator.remediation.replay import (
+        ReplayError,
+        compare_paths,
+        format_table,
+        read_records,
+        replay,
+        summary,
+    )
 
     isvc = read_one_inference_service(args.filename)
     if isvc is None:
         return 1
+    runs = [(None, False if args.no_plan else None)]
+    if args.both_paths:
+        runs = [("plan", True), ("ladder", False)]
     try:
         if args.metrics == "-":
             records = read_records(sys.stdin, isvc)
         else:
             with open(args.metrics, encoding="utf-8") as handle:
                 records = read_records(handle, isvc)
-        rows = []
-        decisions = []
-        final = isvc
-        for time_, decision, state in replay(isvc, records, mode=args.mode, stale_after_s=args.stale_after):
-            final = state
-            decisions.append(decision)
-            if args.output == "json":
-                print(json.dumps(decision.to_json(time_)), flush=False)
-            elif decision.is_change or not args.changes_only:
-                rows.append((time_, decision))
+        results = []
+        for run, plan in runs:
+            rows = []
+            decisions = []
+            timed = []
+            final = isvc
+            replayed = replay(isvc, records, mode=args.mode, stale_after_s=args.stale_after, plan=plan)
+            for time_, decision, state in replayed:
+                final = state
+                decisions.append(decision)
+                timed.append((time_, decision))
+                if args.output == "json":
+                    line = decision.to_json(time_)
+                    print(json.dumps(line if run is None else {"run": run, **line}), flush=False)
+                elif decision.is_change or not args.changes_only:
+                    rows.append((time_, decision))
+            results.append((run, rows, decisions, final, timed))
     except OSError as exc:
         print(f"error: cannot read {args.metrics}: {exc}", file=sys.stderr)
         return 1
@@ -352,8 +397,13 @@ def run_replay(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.output == "table":
-        print(format_table(rows))
-        print(summary(decisions, final))
+        for run, rows, decisions, final, _ in results:
+            if run is not None:
+                print(f"== {'with the plan' if run == 'plan' else 'the ladder alone (plan disabled)'} ==")
+            print(format_table(rows))
+            print(summary(decisions, final))
+        if args.both_paths:
+            print(compare_paths(results[0][4], results[1][4]))
     return 0
 
 

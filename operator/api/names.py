@@ -40,6 +40,10 @@ def live_config_name(isvc_name: str) -> str:
 # On every child: a hash of the desired manifest; an unchanged hash means nothing to write.
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 
+# On an InferenceService at zero replicas: when a request began waiting for it at a front door
+# (RFC 3339). Remediation wakes the service (addReplica 0 -> 1) for a request newer than its last change.
+ANNOTATION_WAKE = f"{GROUP}/wake-requested-at"
+
 # kopf keeps its bookkeeping (last handled spec, retry state) in annotations under this prefix.
 KOPF_PREFIX = GROUP
 

@@ -3,7 +3,9 @@
 ``Platform.default_image`` is the engine image pods run when ``spec.image`` is unset (``kvpilot
 operator --default-image``, the chart's ``engine.defaultImage``; by default the engine image built for
 this version); ``default_vllm_image`` is the same for ``spec.runtime: vllm`` (``--default-vllm-image``;
-by default the vLLM release the operator is tested against). ``allowed_registries`` /
+by default the vLLM release the operator is tested against); ``router_image`` is what
+``spec.router.frontDoor`` pods run when it names no image (``--router-image``; the chart passes the
+operator's own image). ``allowed_registries`` /
 ``allowed_service_accounts`` are optional allowlists: creating an InferenceService lets its author run
 pods with an image and a service account of their choosing, as a Deployment would, and a platform team
 may narrow that. An object outside them gets ``SpecValid=False``
@@ -21,6 +23,9 @@ from kvpilot import __version__
 DEFAULT_ENGINE_IMAGE = f"ghcr.io/kvpilot/engine:{__version__}"
 # The upstream vLLM release the ``runtime: vllm`` path is tested against (its OpenAI server image).
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+# The image ``spec.router.frontDoor`` pods run ``kvpilot router`` from when it sets none: the operator's
+# own (slim, and it carries the kvpilot command).
+DEFAULT_ROUTER_IMAGE = f"ghcr.io/kvpilot/operator:{__version__}"
 
 
 def image_registry(image: str) -> str:
@@ -40,12 +45,15 @@ class Platform:
     allowed_registries: tuple[str, ...] = ()
     allowed_service_accounts: tuple[str, ...] = ()
     default_vllm_image: str = DEFAULT_VLLM_IMAGE
+    router_image: str = DEFAULT_ROUTER_IMAGE
 
     def __post_init__(self) -> None:
         if not self.default_image:
             raise ValueError("the default engine image must not be empty")
         if not self.default_vllm_image:
             raise ValueError("the default vLLM image must not be empty")
+        if not self.router_image:
+            raise ValueError("the router image must not be empty")
 
     def image_for(self, runtime: str) -> str:
         """The image pods of ``runtime`` (``kvpilot`` | ``vllm``) run when ``spec.image`` is unset."""

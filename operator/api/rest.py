@@ -21,6 +21,10 @@ PLURALS = {
     "Pod": "pods",
     "ConfigMap": "configmaps",
     "Secret": "secrets",
+    "InferencePool": "inferencepools",
+    "HTTPRoute": "httproutes",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",
     names.KIND: names.PLURAL,
 }
 

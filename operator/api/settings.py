@@ -36,6 +36,17 @@ class Limits:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """``spec.remediation.plan``: whether a storm's restart-lever change is planned by simulation, and
+    when the plan is trusted (``remediation.planner``)."""
+
+    enabled: bool
+    max_prediction_error: float
+    min_requests: int
+    lookback_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class RemediationSettings:
     """``spec.remediation`` (durations in seconds) and the GPUs per replica the parallelism levers need.
 
@@ -56,6 +67,8 @@ class RemediationSettings:
     ttft_p99_slo_s: float | None  # ...or a TTFT p99 above this (spec.remediation.slo; None: no SLO)
     gpus_per_replica: int
     live: bool  # live levers apply (api.live.supports_live): a live relief first, the restart lever after
+    plan: PlanSettings  # spec.remediation.plan
+    idle_after_s: float  # with minReplicas 0: no request for this long, and the last replica goes
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> RemediationSettings:
@@ -85,6 +98,13 @@ class RemediationSettings:
             ttft_p99_slo_s=None if slo is None else float(slo),
             gpus_per_replica=int(spec["resources"]["gpusPerReplica"]),
             live=supports_live(dict(spec)),
+            idle_after_s=parse_duration(rem["idleAfter"]),
+            plan=PlanSettings(
+                enabled=bool(rem["plan"]["enabled"]),
+                max_prediction_error=float(rem["plan"]["maxPredictionError"]),
+                min_requests=int(rem["plan"]["minRequests"]),
+                lookback_s=parse_duration(rem["plan"]["lookback"]),
+            ),
         )
 
 
@@ -113,6 +133,19 @@ class Settings:
     def meta(self) -> dict[str, Any]:
         """The object's ``metadata``."""
         return self.isvc.get("metadata") or {}
+
+    @property
+    def autoscaling_kind(self) -> str | None:
+        """``"keda"`` or ``"hpa"``: which autoscaler ``spec.autoscaling`` hands the engine Deployment's
+        replicas to (the operator then never writes them, and remediation's replica lever stands
+        down); None without one."""
+        autoscaling = self.spec.get("autoscaling")
+        if not isinstance(autoscaling, dict):
+            return None
+        for kind in ("keda", "hpa"):
+            if isinstance(autoscaling.get(kind), dict):
+                return kind
+        return None
 
     @functools.cached_property
     def remediation(self) -> RemediationSettings:
@@ -144,6 +177,9 @@ def resolve(isvc: Any, platform: Platform = DEFAULT_PLATFORM) -> Settings:
     spec = apply_defaults(raw) if isinstance(raw, dict) else {}
     if isinstance(raw, dict) and raw.get("image") is None:
         spec["image"] = platform.image_for(str(spec.get("runtime") or "kvpilot"))
+    front_door = (spec.get("router") or {}).get("frontDoor") if isinstance(spec.get("router"), dict) else None
+    if isinstance(front_door, dict) and not front_door.get("image"):
+        front_door["image"] = platform.router_image
     problems = tuple(spec_problems(isvc, spec))
     if not problems:
         problems = tuple(platform.problems(spec))

@@ -40,6 +40,8 @@ DEFAULTS: dict[str, Any] = {
         "window": "120s",
         "cooldown": "600s",
         "liveLevers": True,
+        "idleAfter": "15m",
+        "plan": {"enabled": True, "maxPredictionError": 0.25, "minRequests": 32, "lookback": "10m"},
         "limits": {
             "maxGpuMemoryUtilization": 0.95,
             "minMaxNumSeqs": 16,
@@ -60,6 +62,28 @@ DEFAULTS: dict[str, Any] = {
 }
 # Defaults of optional objects that only apply once the user sets the object.
 SECRET_REF_DEFAULT_KEYS = {"tokenSecretRef": "token", "apiKeySecretRef": "api-key"}
+# The same for spec.router and spec.autoscaling: a value is filled in only inside an object the user
+# set (as the API server defaults), never creating the object itself.
+OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "router": {
+        "inferencePool": {
+            "failureMode": "FailClose",
+            "endpointPickerRef": {"port": 9002},
+            "endpointPicker": {"replicas": 1, "port": 9002},
+            "httpRoute": {"pathPrefix": "/"},
+        },
+        "frontDoor": {"replicas": 1, "port": 8000},
+    },
+    "autoscaling": {
+        "hpa": {"minReplicas": 1, "metric": "vllm:num_requests_waiting", "targetAverageValue": "4"},
+        "keda": {
+            "minReplicaCount": 0,
+            "pollingInterval": 30,
+            "cooldownPeriod": 300,
+            "prometheus": {"threshold": "8"},
+        },
+    },
+}
 
 
 def _merge_defaults(value: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -71,9 +95,19 @@ def _merge_defaults(value: dict[str, Any], defaults: dict[str, Any]) -> dict[str
     return value
 
 
+def _merge_present(value: dict[str, Any], defaults: dict[str, Any]) -> None:
+    for key, default in defaults.items():
+        if isinstance(default, dict):
+            if isinstance(value.get(key), dict):
+                _merge_present(value[key], default)
+        else:
+            value.setdefault(key, default)
+
+
 def apply_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     """Return a copy of ``spec`` with the CRD's defaults filled in (absent keys only)."""
     result = _merge_defaults(copy.deepcopy(spec or {}), DEFAULTS)
+    _merge_present(result, OPTIONAL_DEFAULTS)
     model = result.get("model")
     if isinstance(model, dict) and isinstance(model.get("tokenSecretRef"), dict):
         model["tokenSecretRef"].setdefault("key", SECRET_REF_DEFAULT_KEYS["tokenSecretRef"])

@@ -220,9 +220,14 @@ def evaluate(
     workload: Workload,
     step_time: StepTime,
     seed: int = 0,
+    kv_headroom: float = 0.0,
 ) -> CandidateResult:
-    """Simulate one replica of ``candidate`` on the workload (see the module doc)."""
+    """Simulate one replica of ``candidate`` on the workload (see the module doc); ``kv_headroom``: run
+    it on a KV pool this fraction smaller than the candidate's (a margin for what the recorded
+    distributions cannot show)."""
     blocks = workload.pool.blocks_at(candidate.gpu_memory_utilization)
+    if kv_headroom > 0:
+        blocks = max(1, math.floor(blocks * (1.0 - kv_headroom)))
     gpus = candidate.replicas * ctx.gpus_per_replica
     settings = EngineSettings(
         num_gpu_blocks=blocks,

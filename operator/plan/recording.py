@@ -41,7 +41,8 @@ class RecordingError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class PlanScrape:
     """One pod's scrape at ``time``: ``counters`` / ``gauges`` by metric name (absent when not
-    exported), ``histograms`` likewise, ``cache_info`` the labels of ``vllm:cache_config_info``."""
+    exported), ``histograms`` likewise, ``cache_info`` the labels of ``vllm:cache_config_info``,
+    ``pool_info`` those of ``kvpilot_kv_pool_info`` (kvpilot's engine only: what its pool was sized from)."""
 
     time: float
     pod: str
@@ -49,6 +50,7 @@ class PlanScrape:
     gauges: Mapping[str, float]
     histograms: Mapping[str, Histogram]
     cache_info: Mapping[str, str]
+    pool_info: Mapping[str, str] = dataclasses.field(default_factory=dict)  # kvpilot_kv_pool_info
 
     @property
     def in_flight(self) -> float | None:
@@ -110,6 +112,7 @@ def parse_plan_scrape(record: Record) -> PlanScrape:
     gauges: dict[str, float] = {}
     parts: dict[str, dict[str, Any]] = {}
     cache_info: dict[str, str] = {}
+    pool_info: dict[str, str] = {}
     invalid: list[str] = []
     try:
         for name, labels, value in _samples(record.metrics):
@@ -128,6 +131,8 @@ def parse_plan_scrape(record: Record) -> PlanScrape:
                 gauges[canonical] = gauges.get(canonical, 0.0) + value
             elif name == m.CACHE_CONFIG_INFO:
                 cache_info = labels
+            elif name == m.KV_POOL_INFO:
+                pool_info = labels
             elif "_" in name:
                 base, part = name.rsplit("_", 1)
                 histogram = m.canonical_name(base)
@@ -157,7 +162,7 @@ def parse_plan_scrape(record: Record) -> PlanScrape:
             f"{record.pod} at {record.time:.3f}: samples no healthy engine exports, which the policy "
             f"refuses to act on, so no plan is built on them: {invalid[0]}{more}"
         )
-    return PlanScrape(record.time, record.pod, counters, gauges, histograms, cache_info)
+    return PlanScrape(record.time, record.pod, counters, gauges, histograms, cache_info, pool_info)
 
 
 def intervals_of(scrapes: Iterable[PlanScrape]) -> list[Interval]:

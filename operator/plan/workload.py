@@ -34,9 +34,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvpilot.engine import metrics_names as m
+from kvpilot.engine.errors import KVCacheSizeError
+from kvpilot.engine.memory import plan_kv_pool
 from kvpilot.operator.plan.recording import Interval, PlanScrape, RecordingError, intervals_of
 from kvpilot.operator.plan.simulate import Arrival
 from kvpilot.operator.plan.step_time import StepWindow
@@ -89,16 +91,55 @@ class KVPool:
     explicit_size: bool
     enable_prefix_caching: bool
     num_cpu_blocks: int
+    # What kvpilot's engine sized the pool from (kvpilot_kv_pool_info); None where not exported (vLLM).
+    sizing: PoolSizing | None = None
 
     def blocks_at(self, gpu_memory_utilization: float) -> int:
-        """The pool at another memory fraction. The engine sizes it as ``fraction x memory - weights -
-        activations`` (``engine/memory.py``), but a recording carries neither the device memory nor
-        the weights, so the block count is scaled by the fraction itself: ``blocks x new / old``.
-        That is a lower bound of the real pool whenever weights and activations take memory, so a
-        candidate's predicted headroom errs on the safe side. A pool sized explicitly does not move."""
+        """The pool at another memory fraction. With the sizing kvpilot's engine exports, exactly as the
+        engine sizes it (``engine.memory.plan_kv_pool``: ``fraction x budget - weights - activations``,
+        in whole blocks). Without it (vLLM) the recording carries neither the device memory nor the
+        weights, so the block count is scaled by the fraction itself: ``blocks x new / old``, a lower
+        bound of the real pool whenever weights and activations take memory, so a candidate's
+        predicted headroom errs on the safe side. A pool sized explicitly does not move."""
         if self.explicit_size or self.gpu_memory_utilization is None:
             return self.num_gpu_blocks
+        if self.sizing is not None:
+            try:
+                plan = plan_kv_pool(
+                    block_size=self.block_size,
+                    bytes_per_block=self.sizing.bytes_per_block,
+                    max_model_len=self.block_size,  # any pool of one block or more is a pool here
+                    num_blocks_override=None,
+                    kv_cache_memory_bytes=None,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    budget_bytes=self.sizing.budget_bytes,
+                    weights_bytes=self.sizing.weights_bytes,
+                    activation_bytes=self.sizing.activation_bytes,
+                )
+            except KVCacheSizeError:
+                return 1  # no room at that fraction: the smallest pool, which cannot keep up
+            return max(1, plan.num_blocks)
         return max(1, math.floor(self.num_gpu_blocks * gpu_memory_utilization / self.gpu_memory_utilization))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizing:
+    """``kvpilot_kv_pool_info``: the memory the fraction applies to, what is taken off it, one block."""
+
+    budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    bytes_per_block: int
+
+    @classmethod
+    def of(cls, labels: Mapping[str, str]) -> PoolSizing | None:
+        try:
+            values = [int(labels[k]) for k in m.KV_POOL_LABELS]
+        except (KeyError, ValueError):
+            return None  # not exported, or sized explicitly ("None")
+        if values[0] <= 0 or values[3] <= 0 or min(values) < 0:
+            return None
+        return cls(*values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +213,7 @@ def pool_of(scrapes: Sequence[PlanScrape]) -> KVPool:
             explicit_size=info.get("num_gpu_blocks_override") not in (None, "", "None"),
             enable_prefix_caching=str(info.get("enable_prefix_caching", "False")).lower() == "true",
             num_cpu_blocks=int(_float(info.get("num_cpu_blocks")) or 0),
+            sizing=PoolSizing.of(scrape.pool_info),
         )
     raise RecordingError(
         f"no scrape carries {m.CACHE_CONFIG_INFO} with num_gpu_blocks and block_size: the KV pool is unknown"

@@ -37,6 +37,7 @@ from kvpilot.operator.render.builders import (
     build_service_monitor,
     selector_string,
 )
+from kvpilot.operator.render.routing import CRD_KINDS, unwanted_children
 
 # (type, reason, message) -> posts a Kubernetes Event about the InferenceService.
 EmitFn = Callable[[str, str, str], Awaitable[None] | None]
@@ -49,14 +50,17 @@ class Outcome:
     """What one pass did. ``problems``: why the spec is invalid (nothing was applied).
     ``conflicts``: children that exist but belong to someone else (left untouched).
     ``written``: "Created Deployment x" / "Updated Service x" lines. ``warnings``: things the spec
-    asks for that this operator cannot do (nothing else is blocked). ``status_written``: whether
-    the status changed. ``gone``: the InferenceService no longer exists."""
+    asks for that this operator cannot do (nothing else is blocked). ``unavailable``: children of a
+    kind the cluster does not serve (its CRD is not installed: InferencePool, HTTPRoute, ScaledObject;
+    nothing else is blocked). ``status_written``: whether the status changed. ``gone``: the
+    InferenceService no longer exists."""
 
     problems: list[str] = dataclasses.field(default_factory=list)
     conflicts: list[str] = dataclasses.field(default_factory=list)
     written: list[str] = dataclasses.field(default_factory=list)
     forbidden: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    unavailable: list[str] = dataclasses.field(default_factory=list)
     status_written: bool = False
     gone: bool = False
 
@@ -188,6 +192,12 @@ async def _apply_children(kube: Kube, isvc: dict[str, Any], children: list[dict]
             except ApiError as exc:
                 if exc.status == 404 and kind == "ServiceMonitor":
                     continue
+                if exc.status == 404 and kind in CRD_KINDS:
+                    outcome.unavailable.append(
+                        f"{kind} {name}: the cluster does not serve {desired['apiVersion']} {kind} "
+                        f"(install {CRD_KINDS[kind]}'s CRDs); the rest of the InferenceService is reconciled"
+                    )
+                    continue
                 if exc.status == 403:
                     outcome.forbidden.append(f"cannot apply {kind} {name}: {exc.message}")
                     continue
@@ -211,6 +221,23 @@ async def _prune_service_monitor(kube: Kube, settings: Settings, outcome: Outcom
     if live is not None and is_controlled_by(live, isvc):
         await kube.delete(path)
         outcome.written.append(f"Deleted ServiceMonitor {isvc['metadata']['name']}")
+
+
+async def _prune_optional(kube: Kube, settings: Settings, children: list[dict], outcome: Outcome) -> None:
+    """Delete the children of spec.router and spec.autoscaling the spec no longer asks for (only
+    those this InferenceService controls; a kind the cluster does not serve reads as absent)."""
+    namespace = settings.meta.get("namespace")
+    for api_version, kind, name in unwanted_children(settings, children):
+        path = object_path(api_version, kind, namespace, name)
+        try:
+            live = await kube.get(path)
+        except ApiError as exc:
+            if exc.status == 403:  # an older role without the verb: nothing of that kind was created
+                continue
+            raise
+        if live is not None and is_controlled_by(live, settings.isvc):
+            await kube.delete(path)
+            outcome.written.append(f"Deleted {kind} {name}")
 
 
 async def _write_status(kube: Kube, isvc: dict[str, Any], desired: dict[str, Any]) -> bool:
@@ -273,6 +300,10 @@ async def reconcile(
             deployment = await _apply_children(kube, isvc, children, outcome)
             if service_monitors and not wants_monitor:
                 await _prune_service_monitor(kube, settings, outcome)
+            if announce:
+                # Removing spec.router or spec.autoscaling is a spec change, and spec changes (and
+                # restarts) run announced passes: periodic passes skip these reads.
+                await _prune_optional(kube, settings, children, outcome)
         else:
             deployment = await kube.get(deployment_path)
             if deployment is not None and not is_controlled_by(deployment, isvc):
@@ -282,6 +313,8 @@ async def reconcile(
         if announce:
             for line in outcome.warnings:
                 await _emit(emit, "Warning", "ServiceMonitorUnavailable", line)
+            for line in outcome.unavailable:
+                await _emit(emit, "Warning", "CRDMissing", line)
         if outcome.conflicts and blocked_message(isvc.get("status")) != "; ".join(outcome.conflicts):
             await _emit(emit, "Warning", "ChildConflict", "; ".join(outcome.conflicts))
         if outcome.forbidden and blocked_message(isvc.get("status")) != "; ".join(outcome.forbidden):
@@ -295,9 +328,19 @@ async def reconcile(
         now,
         conflicts=outcome.conflicts,
         forbidden=outcome.forbidden,
+        desired_replicas=_autoscaled_replicas(settings, deployment),
     )
     outcome.status_written = await _write_status(kube, isvc, desired)
     return outcome
+
+
+def _autoscaled_replicas(settings: Settings, deployment: dict[str, Any] | None) -> int | None:
+    """Under spec.autoscaling, the replicas the autoscaler set on the Deployment (what the rollout is
+    measured against); None otherwise, or before the Deployment exists."""
+    if settings.problems or settings.autoscaling_kind is None or deployment is None:
+        return None
+    replicas = (deployment.get("spec") or {}).get("replicas")
+    return int(replicas) if replicas is not None else None
 
 
 async def _emit(emit: EmitFn, type_: str, reason: str, message: str) -> None:

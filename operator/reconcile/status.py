@@ -96,8 +96,12 @@ def desired_status(
     now: datetime.datetime,
     conflicts: list[str] | tuple[str, ...] = (),
     forbidden: list[str] | tuple[str, ...] = (),
+    desired_replicas: int | None = None,
 ) -> dict[str, Any]:
     """The owned status fields for this reconcile (a full value for each owned key).
+
+    ``desired_replicas``: what the rollout is measured against when an autoscaler (spec.autoscaling)
+    owns the Deployment's replicas; None: ``effective.replicas``.
 
     ``problems`` (invalid spec) and ``conflicts`` (children owned by someone else) both block the
     rollout and make the phase ``Failed``.
@@ -122,7 +126,8 @@ def desired_status(
         ]
     else:
         assert effective is not None
-        phase, rollout = rollout_state(deployment, effective.replicas)
+        desired = effective.replicas if desired_replicas is None else desired_replicas
+        phase, rollout = rollout_state(deployment, desired)
         status["phase"] = phase
         status["effective"] = effective.reported(generation)
         updates = [condition("SpecValid", True, "Valid", "the spec is valid"), *rollout]

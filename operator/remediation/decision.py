@@ -41,6 +41,7 @@ class Change:
     reason: str = ""
     generation: int | None = None
     applied_by: str | None = None  # live | rollout (api.live), for applied changes
+    path: str | None = None  # plan | ladder: how a storm's restart-lever change was chosen (planned)
 
     def to_status(self) -> dict[str, Any]:
         """The status entry (``from`` and ``to`` as JSON numbers, ``time`` RFC 3339)."""
@@ -56,6 +57,8 @@ class Change:
             entry["generation"] = self.generation
         if self.applied_by is not None:
             entry["appliedBy"] = self.applied_by
+        if self.path is not None:
+            entry["path"] = self.path
         return entry
 
     @classmethod
@@ -71,6 +74,7 @@ class Change:
                 reason=str(entry.get("reason", "")),
                 generation=entry.get("generation"),
                 applied_by=entry.get("appliedBy"),
+                path=entry.get("path"),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -100,6 +104,8 @@ class Decision:
     to: float | None = None
     pressure: str | None = None
     exhausted: bool = False
+    path: str | None = None  # plan | ladder, when the plan was consulted for this change
+    plan: Any = None  # the planner's verdict (planned.PlanVerdict) behind ``path``, if consulted
 
     @property
     def is_change(self) -> bool:
@@ -108,7 +114,9 @@ class Decision:
     def change(self, now: float, generation: int | None) -> Change:
         """The history entry of this decision (only for apply / recommend)."""
         assert self.is_change and self.lever and self.field
-        return Change(now, self.lever, self.field, self.from_, self.to, self.reason, generation)
+        return Change(
+            now, self.lever, self.field, self.from_, self.to, self.reason, generation, path=self.path
+        )
 
     def to_json(self, time: float) -> dict[str, Any]:
         """The ``kvpilot replay --output json`` line."""
@@ -120,4 +128,5 @@ class Decision:
             "from": self.from_ if self.is_change else None,
             "to": self.to if self.is_change else None,
             "reason": self.reason,
+            "path": self.path if self.is_change else None,
         }

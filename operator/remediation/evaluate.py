@@ -12,6 +12,8 @@ Remediation owns these status fields (the reconciler owns the rest, see ``reconc
     conditions KVCachePressure, Remediating  (every mode)
     effective.overrides, remediations        Auto: the applied changes (last 20, newest first)
     recommendations                          Recommend: the proposed changes (last 20, newest first)
+    recommendation                           Recommend: the latest planned settings and their prediction
+    idleSince                                since when no request came (scale to zero)
 
 Writes are kept rare: numbers are rounded (rates to 2 significant digits, KV usage to percent),
 ``signals.sampledAt`` moves only when a value changed (``windowSeconds`` alone does not count) or the
@@ -26,6 +28,7 @@ import datetime
 import math
 from typing import Any
 
+from kvpilot.operator.api import names
 from kvpilot.operator.api.conditions import condition, find_condition, merge_conditions
 from kvpilot.operator.api.effective import LEVERS
 from kvpilot.operator.api.live import applied_by
@@ -42,8 +45,9 @@ from kvpilot.operator.remediation.decision import (
     Decision,
     history_from_status,
 )
+from kvpilot.operator.remediation.planned import PLAN, Planner
 from kvpilot.operator.remediation.policy import PRESSURE_EXIT_RATIO, decide
-from kvpilot.operator.remediation.signals import demand_of, is_storm
+from kvpilot.operator.remediation.signals import demand_of, is_quiet, is_storm
 from kvpilot.operator.remediation.window import MetricWindow
 
 MAX_HISTORY = 20
@@ -145,7 +149,12 @@ def pressure_condition(
 
 
 def remediating_condition(
-    decision: Decision, s: RemediationSettings, latest: Change | None, now: float
+    decision: Decision,
+    s: RemediationSettings,
+    latest: Change | None,
+    now: float,
+    scaler: str | None = None,
+    replicas: int | None = None,
 ) -> dict[str, Any]:
     """``Remediating``: True while an applied change is being evaluated (within the cooldown)."""
     if s.mode == OFF:
@@ -155,10 +164,24 @@ def remediating_condition(
             f"{latest.lever}: {latest.field} {latest.from_:g} → {latest.to:g} at {format_time(latest.time)}"
         )
         if s.mode == AUTO:
+            if latest.path is not None:
+                what += " (planned)" if latest.path == PLAN else " (ladder: the plan was not used)"
             return condition(REMEDIATING, True, "Reverted" if latest.lever == REVERT else "Applied", what)
         return condition(REMEDIATING, False, "Recommended", f"recommended {what}")
     if decision.exhausted:
         return condition(REMEDIATING, False, "LeversExhausted", decision.reason[:1024])
+    if replicas == 0 and scaler is None:
+        message = (
+            f"scaled to zero; a request at a front door wakes it ({names.ANNOTATION_WAKE} newer than the "
+            "last change: addReplica 0 → 1)"
+        )
+        return condition(REMEDIATING, False, "ScaledToZero", message)
+    if scaler is not None:
+        message = (
+            f"spec.autoscaling.{scaler} owns replicas: remediation never writes them and moves only the "
+            "per-pod levers"
+        )
+        return condition(REMEDIATING, False, "AutoscalerOwnsReplicas", message)
     return condition(REMEDIATING, False, "Stable", "no change needed")
 
 
@@ -212,8 +235,31 @@ def revert_update(settings: Settings, change: Change, why: str, now: float) -> U
     return Update(patch, (("Warning", EVENT_REVERTED, reason),), revert)
 
 
+def recommendation_status(decision: Decision, effective: Any, now: float) -> dict[str, Any] | None:
+    """``status.recommendation`` for a planned recommendation: the levers with the planned value, the
+    prediction, and the check of the settings in force; None when the decision was not planned."""
+    verdict = decision.plan
+    if decision.path != PLAN or verdict is None or verdict.change is None:
+        return None
+    settings = {key: effective.engine[key] for key in LEVERS if key != "replicas" and key in effective.engine}
+    settings["replicas"] = effective.replicas
+    settings[decision.field] = decision.to
+    return {
+        "time": format_time(now),
+        "settings": settings,
+        "prediction": dict(verdict.change.prediction),
+        "inForce": dict(verdict.in_force),
+        "reason": verdict.reason[:1024],
+    }
+
+
 def evaluate(
-    settings: Settings, window: MetricWindow, now: float, *, observed_pods: bool = True
+    settings: Settings,
+    window: MetricWindow,
+    now: float,
+    *,
+    observed_pods: bool = True,
+    planner: Planner | None = None,
 ) -> tuple[Decision, Update]:
     """Decide for the InferenceService ``settings`` resolves (valid; its object as last read) on
     ``window``; the status patch and Events that follow.
@@ -225,7 +271,7 @@ def evaluate(
     status = isvc.get("status") or {}
     key = "recommendations" if s.mode == RECOMMEND else "remediations"
     history = history_from_status(status.get(key))
-    decision = decide(window, settings, history, now)
+    decision = decide(window, settings, history, now, planner)
     conditions = status.get("conditions") or []
     if not observed_pods and not window.pods and find_condition(conditions, PRESSURE) is None:
         return decision, Update(None)
@@ -243,6 +289,9 @@ def evaluate(
         patch[key] = entries
         history = [change, *history]
         what = decision.reason
+        recommendation = recommendation_status(decision, effective, now)
+        if recommendation is not None and decision.action == RECOMMEND_ACTION:
+            patch["recommendation"] = recommendation
         if decision.action == RECOMMEND_ACTION:
             events.append(("Normal", EVENT_RECOMMENDED, f"Recommend mode, not applied: {what}"))
         elif change.lever == REVERT:
@@ -266,6 +315,12 @@ def evaluate(
                 patch["signals"]["notActing"] = None  # a merge patch removes a key only by null
     elif status.get("signals"):
         patch["signals"] = None  # no pod reports: old numbers would mislead
+    # status.idleSince: since when no request came (scale to zero waits idleAfter on it).
+    if window.pods and window.is_complete:
+        if is_quiet(window) and not status.get("idleSince"):
+            patch["idleSince"] = format_time(window.start if window.start is not None else window.end)
+        elif not is_quiet(window) and status.get("idleSince"):
+            patch["idleSince"] = None
     capacity = capacity_status(window)
     if capacity is not None and status.get("capacity") != capacity:
         patch["capacity"] = capacity
@@ -273,7 +328,11 @@ def evaluate(
     previous_pressure = find_condition(conditions, PRESSURE)
     previous_remediating = find_condition(conditions, REMEDIATING)
     pressure = pressure_condition(window, s, previous_pressure)
-    remediating = remediating_condition(decision, s, history[0] if history else None, now)
+    latest = history[0] if history else None
+    replicas = effective.replicas + (
+        int(decision.to - decision.from_) if decision.action == APPLY and decision.field == "replicas" else 0
+    )
+    remediating = remediating_condition(decision, s, latest, now, settings.autoscaling_kind, replicas)
     merged = merge_conditions(
         conditions,
         [pressure, remediating],

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -35,8 +36,9 @@ from kvpilot.operator.api.timefmt import parse_time
 from kvpilot.operator.observability.metrics import OperatorMetrics
 from kvpilot.operator.observability.promsource import PrometheusSource
 from kvpilot.operator.options import METRICS_SOURCE_PROMETHEUS, OperatorOptions
+from kvpilot.operator.plan.advise import ScrapeHistory, planner_for
 from kvpilot.operator.reconcile.reconciler import Reconciler
-from kvpilot.operator.remediation.decision import APPLY, REVERT, Change
+from kvpilot.operator.remediation.decision import APPLY, REVERT, Change, history_from_status
 from kvpilot.operator.remediation.evaluate import EVENT_REVERTED, evaluate, revert_update
 from kvpilot.operator.remediation.live import LiveApplier, read_api_key
 from kvpilot.operator.remediation.pods import PodSet, classify
@@ -94,6 +96,8 @@ class Autotuner:
         self.live = LiveApplier(timeout_s=options.scrape_timeout)
         self.recorder = Recorder(options.record) if options.record else None
         self.series: dict[str, PodSeries] = {}
+        # What the planner simulates (spec.remediation.plan): each pod's scrapes over the longest lookback.
+        self.plan_scrapes = ScrapeHistory(lookback_s=0.0)
         self._unrendered: set[tuple[str, str]] = set()  # changed status whose children await a re-render
 
     @property
@@ -169,6 +173,7 @@ class Autotuner:
         live_keys = {pod_key(p) for p in pods}
         for key in [k for k in self.series if k not in live_keys]:
             del self.series[key]  # the pod is gone
+        self.plan_scrapes.forget(live_keys)
         # Parsing is pure Python: off the event loop, so watches and handlers keep running meanwhile.
         owner_of = {t.key: service.settings for service in services for t in service.pods.targets}
         await asyncio.to_thread(self._ingest, results, owner_of)
@@ -193,6 +198,10 @@ class Autotuner:
             series = self.series.setdefault(result.target.key, PodSeries(result.target.name, retention))
             series.retention_s = retention
             series.ingest(result.time, result.text, result.error)
+            plan = settings.remediation.plan
+            if plan.enabled and result.error is None and result.text is not None:
+                self.plan_scrapes.lookback_s = max(self.plan_scrapes.lookback_s, plan.lookback_s)
+                self.plan_scrapes.add(result.target.key, result.target.name, result.time, result.text)
             meta = settings.meta
             kind = result.kind or (result.error and "connection") or (series.problem and "invalid")
             self.metrics.observe_scrape(meta["namespace"], meta["name"], kind or None)
@@ -236,7 +245,18 @@ class Autotuner:
             if (namespace, name) in self._unrendered:
                 # A change of an earlier tick that has not reached the children yet.
                 await self._render(settings, logger)
-            decision, update = evaluate(settings, window, now, observed_pods=service.has_pods)
+            planner = None
+            if settings.remediation.plan.enabled:
+                history = history_from_status((isvc.get("status") or {}).get("remediations"))
+                since = history[0].time if history else float("-inf")
+                keys = [t.key for t in service.pods.targets]
+                # Only the traffic the pods of the settings in force served since the last change.
+                kept = functools.partial(self.plan_scrapes.scrapes, keys, since, now)
+                planner = planner_for(settings, kept)
+            # Off the event loop: a plan simulates (pure; this object's state is not touched meanwhile).
+            decision, update = await asyncio.to_thread(
+                evaluate, settings, window, now, observed_pods=service.has_pods, planner=planner
+            )
             bad_data = any(
                 self.series[t.key].problem is not None for t in service.pods.targets if t.key in self.series
             )

@@ -16,7 +16,12 @@ In the order vLLM's tuning guide prescribes::
         ─► raiseGpuMemoryUtilization ─► lowerMaxNumSeqs ─► lowerMaxNumBatchedTokens
            ─► raiseTensorParallelSize ─► raisePipelineParallelSize ─► addReplica
     idle: no preemption, no queue, KV usage below kvCacheUsageIdle all window ─► removeReplica
-    (down to minReplicas)
+    (down to minReplicas; to 0 only once no request came for idleAfter: status.idleSince)
+    at zero replicas: a front door's wake request (annotation wake-requested-at) newer than the last
+    change ─► addReplica 0 → 1 at once (no cooldown: a client is waiting)
+
+With ``spec.autoscaling`` (an HPA or a KEDA ScaledObject owns ``replicas``) the replica levers stand
+down: demand and idleness are left to the autoscaler, and a storm's ladder ends at the per-pod levers.
 
 With live levers (``spec.remediation.liveLevers``, runtime kvpilot, mode Auto) a storm's first answer
 is a relief that costs no restart, and the restart lever follows it::
@@ -24,6 +29,14 @@ is a relief that costs no restart, and the restart lever follows it::
     storm ─► relieveMaxNumSeqs (live, seconds: maxNumSeqs to what the KV pool holds)
           ─► raiseGpuMemoryUtilization (rollout, one cooldown later, storm or not: the relief hides it)
           ─► restoreMaxNumSeqs (live, once that rolled out and a full window shows no storm)
+
+With ``spec.remediation.plan`` (on by default) a storm's restart-lever change that is due is planned
+rather than climbed: the planner (``planned.Planner``; the operator binds it to the traffic the pods
+served since the last change) simulates the engine's own scheduler on that traffic and answers with
+the one change that ends the storm, straight to its value (e.g. gpuMemoryUtilization 0.9 → 0.97 at
+once instead of 0.95 now and 0.97 a cooldown later). Its answer is used only when the settings in
+force are predicted as they ran; otherwise, or with too little traffic, the ladder's rung is taken,
+and the reason says why (``Change.path``: plan or ladder). The live relief still comes first.
 
 A relief only comes first when the restart lever can follow it (gpuMemoryUtilization can still rise);
 otherwise the ladder runs as above and its lowerMaxNumSeqs stays.
@@ -52,9 +65,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvpilot.engine.parallel.layout import allowed_tensor_parallel_sizes
+from kvpilot.operator.api import names
 from kvpilot.operator.api.effective import Effective
 from kvpilot.operator.api.settings import RemediationSettings, Settings
 from kvpilot.operator.api.spec import ENGINE_KEYS
+from kvpilot.operator.api.timefmt import format_time, parse_time
 from kvpilot.operator.remediation.decision import (
     ADD_REPLICA,
     APPLY,
@@ -75,6 +90,7 @@ from kvpilot.operator.remediation.decision import (
     Decision,
 )
 from kvpilot.operator.remediation.metrics import ModelShape
+from kvpilot.operator.remediation.planned import LADDER, PLAN, Planner, PlanQuestion, PlanVerdict
 from kvpilot.operator.remediation.pods import RECENT_FAILURE_S
 from kvpilot.operator.remediation.signals import demand_of, describe, is_idle, is_storm
 from kvpilot.operator.remediation.window import MetricWindow
@@ -213,7 +229,11 @@ def _gpu_memory_step(
 
 
 def _storm_ladder(
-    window: MetricWindow, s: RemediationSettings, effective: Effective, history: list[Change]
+    window: MetricWindow,
+    s: RemediationSettings,
+    effective: Effective,
+    history: list[Change],
+    scaler: str | None = None,
 ) -> tuple[_Step | None, list[str]]:
     """The first per-pod lever (then addReplica) that can still move, and why the others cannot."""
     limits, shape, gen = s.limits, window.shape, effective.generation
@@ -279,8 +299,10 @@ def _storm_ladder(
         elif not blocked("pipelineParallelSize"):
             return _Step(RAISE_PP, "pipelineParallelSize", pp, pp + 1, "one more pipeline stage"), skipped
 
-    # 6. More replicas.
-    if effective.replicas >= limits.max_replicas:
+    # 6. More replicas, unless an autoscaler owns them.
+    if scaler is not None:
+        skipped.append(f"replicas: {_SCALERS[scaler]} owns them (spec.autoscaling)")
+    elif effective.replicas >= limits.max_replicas:
         skipped.append(f"replicas {effective.replicas} is at maxReplicas {limits.max_replicas}")
     elif not blocked("replicas"):
         step = _Step(ADD_REPLICA, "replicas", effective.replicas, effective.replicas + 1, "spread the load")
@@ -288,11 +310,106 @@ def _storm_ladder(
     return None, skipped
 
 
-def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], now: float) -> Decision:
+# The autoscalers spec.autoscaling hands replicas to (Settings.autoscaling_kind), in words.
+_SCALERS = {"hpa": "the HorizontalPodAutoscaler", "keda": "the KEDA ScaledObject"}
+
+# The restart levers a plan may set straight to its value (planned.PlanQuestion.levers), by lever name.
+_PLANNED = {
+    RAISE_GPU_MEMORY: "gpuMemoryUtilization",
+    LOWER_MAX_NUM_SEQS: "maxNumSeqs",
+    LOWER_MAX_BATCHED_TOKENS: "maxNumBatchedTokens",
+    ADD_REPLICA: "replicas",
+}
+_LEVER_OF = {field: lever for lever, field in _PLANNED.items()}
+
+
+def _plannable(
+    window: MetricWindow, s: RemediationSettings, effective: Effective, history: list[Change], can_add: bool
+) -> tuple[str, ...]:
+    """The levers a storm's plan may move, in the ladder's order: those that can still move within the
+    limits and were not reverted. Replicas only where the ladder would reach them before sharding
+    (no GPUs, or tensor and pipeline parallelism at their limits)."""
+    gen, limits, shape = effective.generation, s.limits, window.shape
+    out = []
+    if _gpu_memory_step(window, s, effective, history, "")[0] is not None:
+        out.append("gpuMemoryUtilization")
+    seqs = int(_engine_value(effective, "maxNumSeqs", shape.max_num_seqs if shape else None))
+    if seqs > limits.min_max_num_seqs and not _reverted(history, "maxNumSeqs", gen):
+        out.append("maxNumSeqs")
+    reported = shape.max_num_batched_tokens if shape else None
+    tokens = effective.engine.get("maxNumBatchedTokens") or reported
+    if tokens is not None and not _reverted(history, "maxNumBatchedTokens", gen):
+        out.append("maxNumBatchedTokens")
+    tp = int(_engine_value(effective, "tensorParallelSize"))
+    pp = int(_engine_value(effective, "pipelineParallelSize"))
+    sharded_out = tp >= limits.max_tensor_parallel_size and pp >= limits.max_pipeline_parallel_size
+    if can_add and (s.gpus_per_replica == 0 or sharded_out):
+        out.append("replicas")
+    return tuple(out)
+
+
+def _consult_plan(
+    planner: Planner, question: PlanQuestion, step: _Step, effective: Effective
+) -> tuple[_Step, str, PlanVerdict]:
+    """The plan's step in place of the ladder's ``step`` when the planner trusts its answer; otherwise
+    the ladder's, with why. Returns (step, path, verdict)."""
+    try:
+        verdict = planner(question)
+    except Exception as exc:  # noqa: BLE001 - a planner bug must never stop remediation: the ladder answers
+        verdict = PlanVerdict(None, f"the planner failed: {exc!r}")
+    change = verdict.change
+    if change is None or change.field not in _LEVER_OF:
+        return step, LADDER, verdict
+    current = effective.replicas if change.field == "replicas" else _engine_value(effective, change.field)
+    lever = _LEVER_OF[change.field]
+    to = int(change.to) if change.field in ("replicas", "maxNumSeqs", "maxNumBatchedTokens") else change.to
+    return _Step(lever, change.field, current, to, f"plan: {verdict.reason}"), PLAN, verdict
+
+
+def _idle_since(settings: Settings) -> float | None:
+    """``status.idleSince`` (evaluate keeps it), None when absent or unreadable."""
+    value = (settings.isvc.get("status") or {}).get("idleSince")
+    try:
+        return parse_time(value) if value else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _at_zero(settings: Settings, history: list[Change]) -> Decision:
+    """At zero replicas no pod reports: the service wakes (addReplica 0 → 1, no cooldown: a client
+    waits) for a front door's wake request newer than the last change, else nothing."""
+    s = settings.remediation
+    annotations = (settings.isvc.get("metadata") or {}).get("annotations") or {}
+    raw = annotations.get(names.ANNOTATION_WAKE)
+    try:
+        wake = parse_time(raw) if raw else None
+    except (TypeError, ValueError):
+        wake = None
+    last = history[0].time if history else float("-inf")
+    if wake is None or wake <= math.floor(last):
+        return Decision(NONE, "scaled to zero: no request waits at a front door")
+    reason = (
+        f"woken: a request has waited at a front door since {format_time(wake)}; addReplica: replicas 0 → 1"
+    )
+    if s.mode == OFF:
+        return Decision(NONE, f"remediation is Off; would wake ({reason})", ADD_REPLICA, "replicas", 0, 1)
+    action = APPLY if s.mode == AUTO else RECOMMEND_ACTION
+    return Decision(action, reason, ADD_REPLICA, "replicas", 0, 1, "demand")
+
+
+def decide(
+    window: MetricWindow,
+    settings: Settings,
+    history: Iterable[Change],
+    now: float,
+    planner: Planner | None = None,
+) -> Decision:
     """What to do about ``window`` for the InferenceService ``settings`` (valid) describes.
 
     ``history``: the changes made so far (``status.remediations`` in Auto, ``status.recommendations``
-    in Recommend), any order. ``now``: unix seconds. Never raises for well-formed inputs.
+    in Recommend), any order. ``now``: unix seconds. ``planner``: asked, when ``spec.remediation.plan``
+    is enabled, for a storm's restart-lever change that is due (not held back); its trusted answer
+    replaces the ladder's rung (``planned``). Never raises for well-formed inputs.
     """
     s, effective = settings.remediation, settings.effective
     history = sorted(history, key=lambda c: c.time, reverse=True)
@@ -315,6 +432,8 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
                 f"set {last.field} {_fmt(last.from_)} → {_fmt(last.to)}: reverting"
             )
             return Decision(APPLY, reason, REVERT, last.field, last.to, last.from_)
+    if effective.replicas == 0 and settings.autoscaling_kind is None:
+        return _at_zero(settings, history)
     if window.not_running:
         return Decision(NONE, "not acting: pods fail: " + "; ".join(map(str, window.not_running)))
     if not window.is_complete:
@@ -324,10 +443,15 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
     storm, demand = is_storm(window, s), demand_of(window, s)
     pressure = "demand" if demand is not None else "storm" if storm else None
     step: _Step | None = None
-    can_add = effective.replicas < s.limits.max_replicas and not _reverted(
-        history, "replicas", effective.generation
+    # With spec.autoscaling an HPA or KEDA owns replicas: the replica levers stand down.
+    scaler = settings.autoscaling_kind
+    can_add = (
+        scaler is None
+        and effective.replicas < s.limits.max_replicas
+        and not _reverted(history, "replicas", effective.generation)
     )
     relief = _relief_in_force(history, effective) if s.mode == AUTO else None
+    question: PlanQuestion | None = None  # set where a plan may answer instead of the ladder
     if relief is not None and relief.durable is None:
         # The relief holds the storm back at the cost of concurrency: the restart lever is due.
         why = f"the restart lever after the live relief {relief.latest.from_:g} → {relief.latest.to:g}"
@@ -335,6 +459,8 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
         if step is not None:  # otherwise the relief stays, as a lowerMaxNumSeqs would
             cause = "a preemption storm" if storm else "the storm the live relief holds back"
             pressure = pressure or "storm"
+            # Planned from the maxNumSeqs the relief gives back once the restart lever rolled out.
+            question = PlanQuestion(("gpuMemoryUtilization",), storm, {"maxNumSeqs": relief.first.from_})
     if step is not None:
         pass
     elif relief is not None and relief.durable is not None and not storm:
@@ -352,19 +478,35 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
         cause = "a preemption storm" + (
             f" under demand at maxReplicas {s.limits.max_replicas}" if demand is not None else ""
         )
-        step, skipped = _storm_ladder(window, s, effective, history)
+        step, skipped = _storm_ladder(window, s, effective, history, scaler)
         if step is None:
             reason = f"{cause}: {signals}; every lever is at its limit: {'; '.join(skipped)}"
             return Decision(NONE, reason, pressure=pressure, exhausted=True)
+        if step.lever in _PLANNED:
+            question = PlanQuestion(_plannable(window, s, effective, history, can_add), storm)
+    elif demand is not None and scaler is not None:
+        owner = f"replicas are {_SCALERS[scaler]}'s to change (spec.autoscaling)"
+        reason = f"demand ({demand.message}): {owner}: {signals}"
+        return Decision(NONE, reason, pressure=pressure)
     elif demand is not None:
         reason = (
             f"demand ({demand.message}), but replicas {effective.replicas} is at maxReplicas "
             f"{s.limits.max_replicas} (raise limits.maxReplicas): {signals}"
         )
         return Decision(NONE, reason, pressure=pressure, exhausted=True)
+    elif is_idle(window, s) and scaler is not None:
+        return Decision(
+            NONE, f"idle: replicas are {_SCALERS[scaler]}'s to change (spec.autoscaling): {signals}"
+        )
     elif is_idle(window, s):
         if effective.replicas <= s.limits.min_replicas:
             return Decision(NONE, f"idle at minReplicas {s.limits.min_replicas}: {signals}")
+        if effective.replicas == 1:  # minReplicas 0: the last replica goes only after idleAfter unused
+            since = _idle_since(settings)
+            if since is None or now - since < s.idle_after_s:
+                quiet = f"no request for {now - since:.0f}s" if since is not None else "not yet quiet"
+                reason = f"idle ({quiet}); scale to zero after idleAfter {s.idle_after_s:.0f}s without one"
+                return Decision(NONE, f"{reason}: {signals}")
         scale_ups = [c for c in history if c.field == "replicas" and c.to > c.from_]
         hold = SCALE_DOWN_DELAY_COOLDOWNS * s.cooldown_s
         if scale_ups and now - scale_ups[0].time < hold:
@@ -372,6 +514,10 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
             return Decision(NONE, f"idle, but a replica was added {ago:.0f}s ago (< {hold:.0f}s): {signals}")
         step = _Step(REMOVE_REPLICA, "replicas", effective.replicas, effective.replicas - 1, "release a GPU")
         cause = f"sustained idleness (no preemption, no queue, KV cache below {s.kv_usage_idle:.0%})"
+        if effective.replicas == 1:
+            step = dataclasses.replace(step, why="scale to zero: a request at the front door wakes it")
+            unused = now - (_idle_since(settings) or now)
+            cause = f"no request for {unused:.0f}s (idleAfter {s.idle_after_s:.0f}s)"
     else:
         return Decision(NONE, f"stable: {signals}", pressure=pressure)
 
@@ -387,5 +533,14 @@ def decide(window: MetricWindow, settings: Settings, history: Iterable[Change], 
         held = f"waiting for a full window after the last change; next {what}"
     if held is not None:
         return Decision(NONE, f"{held} ({signals})", step.lever, step.field, step.from_, step.to, pressure)
+    path, verdict = None, None
+    if question is not None and planner is not None and s.plan.enabled and question.levers:
+        step, path, verdict = _consult_plan(planner, question, step, effective)
+        what = f"{step.lever}: {step.field} {_fmt(step.from_)} → {_fmt(step.to)} ({step.why})"
+        if path == LADDER:
+            what += f" (ladder: the plan was not used: {verdict.reason})"
+        reason = f"{cause}: {signals}; {what}"
     action = APPLY if s.mode == AUTO else RECOMMEND_ACTION
-    return Decision(action, reason, step.lever, step.field, step.from_, step.to, pressure)
+    return Decision(
+        action, reason, step.lever, step.field, step.from_, step.to, pressure, path=path, plan=verdict
+    )

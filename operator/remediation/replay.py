@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import statistics
 from collections.abc import Iterable, Iterator
@@ -35,7 +36,7 @@ from typing import Any
 from kvpilot.operator.api.patch import merge_patch
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.timefmt import format_time
-from kvpilot.operator.remediation.decision import AUTO, OFF, RECOMMEND, Decision
+from kvpilot.operator.remediation.decision import AUTO, OFF, RECOMMEND, Decision, history_from_status
 from kvpilot.operator.remediation.evaluate import evaluate
 from kvpilot.operator.remediation.series import PodSeries
 from kvpilot.operator.remediation.window import summarize
@@ -119,18 +120,26 @@ def replay(
     *,
     mode: str | None = None,
     stale_after_s: float | None = None,
+    plan: bool | None = None,
 ) -> Iterator[tuple[float, Decision, dict[str, Any]]]:
     """Yield (time, decision, InferenceService after it) for each evaluation (one per tick).
 
-    ``mode`` replaces ``spec.remediation.mode`` (None: the manifest's). Raises ReplayError for an
-    invalid InferenceService.
+    ``mode`` replaces ``spec.remediation.mode`` (None: the manifest's); ``plan`` likewise
+    ``spec.remediation.plan.enabled``. With the plan on, a storm's restart-lever change is planned on
+    the recorded scrapes since the last change (as the operator plans on the scrapes it kept). Raises
+    ReplayError for an invalid InferenceService.
     """
+    from kvpilot.operator.plan.advise import ScrapeHistory, planner_for  # the plan reads records
+
     state = copy.deepcopy(isvc)
     state.setdefault("metadata", {}).setdefault("generation", 1)
     if mode is not None:
         if mode not in MODES:
             raise ReplayError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         state.setdefault("spec", {}).setdefault("remediation", {})["mode"] = mode
+    if plan is not None:
+        remediation = state.setdefault("spec", {}).setdefault("remediation", {})
+        remediation["plan"] = {**(remediation.get("plan") or {}), "enabled": plan}
     settings = resolve(state)
     if not settings.is_valid:
         raise ReplayError("invalid InferenceService: " + "; ".join(settings.problems))
@@ -142,6 +151,7 @@ def replay(
     series: dict[str, PodSeries] = {}
     ready: dict[str, bool] = {}
     seen: dict[str, float] = {}
+    kept = ScrapeHistory(settings.remediation.plan.lookback_s, eager=False)
     index = 0
     while index < len(records):
         tick = records[index].tick
@@ -156,6 +166,8 @@ def replay(
             pod = series.setdefault(record.pod, PodSeries(record.pod, retention))
             if record.ready:
                 pod.ingest(record.time, record.metrics, record.error)
+                if record.error is None and record.metrics is not None:
+                    kept.add(record.pod, record.pod, record.time, record.metrics)
         if ticked:
             present = sorted(in_tick)
         else:
@@ -168,16 +180,39 @@ def replay(
             stale_after_s=stale_after,
             problems=[f"pod(s) not ready: {', '.join(unready)}"] if unready else [],
         )
-        decision, update = evaluate(settings, window, now)
+        since = _last_change(state)
+        scrapes = functools.partial(kept.scrapes, [n for n in present if ready[n]], since, now)
+        decision, update = evaluate(settings, window, now, planner=planner_for(settings, scrapes))
         if update.patch is not None:
             state = {**state, "status": merge_patch(state.get("status"), update.patch)}
             settings = settings.with_status(state)
         yield now, decision, state
 
 
+def _last_change(isvc: dict[str, Any]) -> float:
+    """When the latest applied change was made (-inf: none): the pods ran the settings in force since
+    (a recommendation changes nothing)."""
+    history = history_from_status((isvc.get("status") or {}).get("remediations"))
+    return history[0].time if history else float("-inf")
+
+
+def compare_paths(planned: list[tuple[float, Decision]], ladder: list[tuple[float, Decision]]) -> str:
+    """The changes of the two runs of ``kvpilot replay --both-paths``, one line each (the recorded
+    metrics do not react to a change, so this compares what each path does, not how soon it calms)."""
+    start = min((t for t, _ in planned + ladder), default=0.0)
+
+    def line(name: str, timed: list[tuple[float, Decision]]) -> str:
+        changes = [(t, d) for t, d in timed if d.is_change]
+        what = "; ".join(f"{d.field} {d.from_:g} → {d.to:g} at +{t - start:.0f}s" for t, d in changes)
+        return f"{name}: {len(changes)} change(s)" + (f": {what}" if what else "")
+
+    return line("with the plan", planned) + "\n" + line("the ladder alone", ladder)
+
+
 def format_table(rows: list[tuple[float, Decision]]) -> str:
-    """The default output: one row per evaluation."""
-    header = ("TIME", "ACTION", "LEVER", "FIELD", "FROM", "TO", "REASON")
+    """The default output: one row per evaluation; PATH says how a storm's change was chosen (plan,
+    ladder; - where the plan was not consulted)."""
+    header = ("TIME", "ACTION", "LEVER", "FIELD", "FROM", "TO", "PATH", "REASON")
     table = [header]
     for time, decision in rows:
         change = decision.is_change
@@ -189,6 +224,7 @@ def format_table(rows: list[tuple[float, Decision]]) -> str:
                 (decision.field or "-") if change else "-",
                 f"{decision.from_:g}" if change else "-",
                 f"{decision.to:g}" if change else "-",
+                (decision.path or "-") if change else "-",
                 decision.reason,
             )
         )

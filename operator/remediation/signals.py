@@ -181,3 +181,15 @@ def is_idle(window: MetricWindow, s: RemediationSettings) -> bool:
         and window.waiting_max == 0
         and window.kv_usage_max < s.kv_usage_idle
     )
+
+
+def is_quiet(window: MetricWindow) -> bool:
+    """Over a full window: no request at all -- none running or waiting at any scrape, none got a first
+    token, nothing preempted (what scale to zero waits for, ``spec.remediation.idleAfter``)."""
+    return (
+        window.full
+        and window.num_preemptions == 0
+        and window.waiting_max == 0
+        and window.running == 0
+        and window.num_first_tokens == 0
+    )

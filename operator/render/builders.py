@@ -81,7 +81,8 @@ def _with_hash(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_deployment(settings: Settings) -> dict[str, Any]:
-    """The engine Deployment: ``settings.effective.replicas`` pods running ``kvpilot serve``."""
+    """The engine Deployment: ``settings.effective.replicas`` pods running ``kvpilot serve`` (no
+    ``replicas`` at all under ``spec.autoscaling``: the autoscaler sets them)."""
     isvc, spec, effective = settings.isvc, settings.spec, settings.effective
     pod = spec.get("pod") or {}
     pod_spec = build_pod_spec(spec, effective, isvc["metadata"]["name"])
@@ -112,6 +113,9 @@ def build_deployment(settings: Settings) -> dict[str, Any]:
         },
         "template": template,
     }
+    if settings.autoscaling_kind is not None:
+        # The HPA or KEDA owns the replica count: server-side apply without the field leaves it to them.
+        del deployment["spec"]["replicas"]
     return _with_hash(deployment)
 
 
@@ -185,6 +189,10 @@ def build_children(settings: Settings) -> list[dict[str, Any]]:
         children.append(build_live_config(settings))
     if service_monitor_enabled(settings):
         children.append(build_service_monitor(settings))
+    # Imported here: routing builds on this module's labels and owner reference.
+    from kvpilot.operator.render.routing import build_routing_children
+
+    children += [_with_hash(child) for child in build_routing_children(settings)]
     return children
 
 

@@ -122,9 +122,15 @@ def test_rules_never_grant_wildcards_or_list_secrets():
                 # to call the engines' /admin/config; it can never list or watch every Secret.
                 assert rule["resources"] == ["secrets"] and rule["verbs"] == ["get"]
                 assert role["metadata"]["name"] == "kvp-kvpilot" or role["kind"] == "Role", role["metadata"]
-    # Only tenants delete InferenceServices; the operator itself deletes nothing by default.
+    # Only tenants delete InferenceServices; by default the operator deletes only the children of
+    # spec.router and spec.autoscaling it controls, once their field is removed (everything else goes
+    # with its InferenceService by garbage collection).
     (operator_role,) = [r for r in by_kind(render())["ClusterRole"] if r["metadata"]["name"] == "kvp-kvpilot"]
-    assert all("delete" not in rule["verbs"] for rule in operator_role["rules"])
+    deleting = [rule for rule in operator_role["rules"] if "delete" in rule["verbs"]]
+    assert {resource for rule in deleting for resource in rule["resources"]} == {
+        "deployments", "services", "inferencepools", "httproutes", "horizontalpodautoscalers",
+        "scaledobjects",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -191,9 +197,11 @@ def test_engine_default_image_and_allowlists_reach_the_operator():
 
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     # The chart's vLLM default is the operator's own (the release the runtime is tested against).
+    # spec.router.frontDoor pods run `kvpilot router` from the operator's own image.
     assert env_of() == {
         "KVPILOT_DEFAULT_IMAGE": f"ghcr.io/kvpilot/engine:{chart['appVersion']}",
         "KVPILOT_DEFAULT_VLLM_IMAGE": DEFAULT_VLLM_IMAGE,
+        "KVPILOT_ROUTER_IMAGE": f"ghcr.io/kvpilot/operator:{chart['appVersion']}",
     }
     custom = env_of(
         "--set", "engine.image.repository=mirror.corp/kvpilot/engine",
@@ -207,4 +215,5 @@ def test_engine_default_image_and_allowlists_reach_the_operator():
         "KVPILOT_DEFAULT_VLLM_IMAGE": "mirror.corp/" + DEFAULT_VLLM_IMAGE,
         "KVPILOT_ALLOWED_REGISTRIES": "mirror.corp,nvcr.io",
         "KVPILOT_ALLOWED_SERVICE_ACCOUNTS": "llm",
+        "KVPILOT_ROUTER_IMAGE": f"ghcr.io/kvpilot/operator:{chart['appVersion']}",
     }

@@ -15,7 +15,7 @@ import yaml
 from kvpilot.engine import config as engine_config
 from kvpilot.operator.api import names
 from kvpilot.operator.api.effective import LEVERS
-from kvpilot.operator.api.settings import Limits, RemediationSettings, resolve
+from kvpilot.operator.api.settings import Limits, PlanSettings, RemediationSettings, resolve
 from kvpilot.operator.api.spec import DEFAULTS, ENGINE_KEYS, NOT_PER_POD, apply_defaults, parse_duration
 from kvpilot.operator.reconcile.status import OWNED_EFFECTIVE_KEYS, desired_status
 from tests.operator.conftest import CHART, CRD_PATH
@@ -135,8 +135,15 @@ def test_remediation_settings_take_the_crd_defaults_and_have_none_of_their_own(c
         thresholds["kvCacheUsageIdle"],
     )
     assert settings.live is crd["liveLevers"] is True
+    plan = crd["plan"]
+    assert dataclasses.asdict(settings.plan) == {
+        "enabled": plan["enabled"],
+        "max_prediction_error": plan["maxPredictionError"],
+        "min_requests": plan["minRequests"],
+        "lookback_s": parse_duration(plan["lookback"]),
+    }
     # One table of defaults (spec.DEFAULTS, checked against the CRD above): the typed settings add none.
-    for cls in (RemediationSettings, Limits):
+    for cls in (RemediationSettings, Limits, PlanSettings):
         assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(cls)), cls
 
 

@@ -510,6 +510,51 @@ def test_kubectl_printer_columns_and_short_name(api, operator, tmp_path):
     ]
 
 
+def test_router_and_autoscaling_children_come_change_and_go(api, operator):
+    """spec.router and spec.autoscaling through the operator process, with the published CRDs
+    registered (tests/k8s/crds): every child is created, patched on a spec change and deleted when
+    its field goes (what the RBAC check below needs observed)."""
+    from pathlib import Path
+
+    from tests.operator.kmock_apiserver import register_crd
+
+    for crd_file in sorted((Path(__file__).resolve().parents[1] / "k8s" / "crds").glob("*.yaml")):
+        register_crd(api.server, yaml.safe_load(crd_file.read_text()))
+    group_paths = {
+        "InferencePool": f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/routed",
+        "HTTPRoute": f"/apis/gateway.networking.k8s.io/v1/namespaces/{NS}/httproutes/routed",
+        "ScaledObject": f"/apis/keda.sh/v1alpha1/namespaces/{NS}/scaledobjects/routed",
+        "HorizontalPodAutoscaler": f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers/routed",
+    }
+    keda = {"maxReplicaCount": 4, "prometheus": {"serverAddress": "http://prometheus:9090"}}
+    router = {"inferencePool": {"endpointPicker": {}, "httpRoute": {"gatewayName": "gw"}}, "frontDoor": {}}
+    create_and_wait(api, new_isvc("routed", router=router, autoscaling={"keda": keda}))
+    for kind in ("InferencePool", "HTTPRoute", "ScaledObject"):
+        wait_for(lambda kind=kind: api.get(group_paths[kind]), what=kind)
+    for name in ("routed-epp", "routed-router"):
+        wait_for(lambda name=name: api.get(child_path("Deployment", name)), what=name)
+    assert "replicas" not in api.get(child_path("Deployment", "routed"))["spec"]
+
+    router_change = {"inferencePool": {"failureMode": "FailOpen", "httpRoute": {"pathPrefix": "/v1"}}}
+    keda_change = {"keda": {"maxReplicaCount": 5}}
+    api.merge_patch(isvc_path("routed"), {"spec": {"router": router_change, "autoscaling": keda_change}})
+    wait_for(lambda: api.get(group_paths["ScaledObject"])["spec"]["maxReplicaCount"] == 5, what="patched")
+    ref = lambda: api.get(group_paths["InferencePool"])["spec"]["endpointPickerRef"]  # noqa: E731
+    wait_for(lambda: ref()["failureMode"] == "FailOpen", what="InferencePool patched")
+
+    api.merge_patch(isvc_path("routed"), {"spec": {"autoscaling": {"keda": None, "hpa": {"maxReplicas": 3}}}})
+    wait_for(lambda: api.get(group_paths["HorizontalPodAutoscaler"]), what="HPA")
+    wait_for(lambda: api.get(group_paths["ScaledObject"]) is None, what="ScaledObject deleted")
+    api.merge_patch(isvc_path("routed"), {"spec": {"autoscaling": {"hpa": {"maxReplicas": 6}}}})
+    wait_for(lambda: api.get(group_paths["HorizontalPodAutoscaler"])["spec"]["maxReplicas"] == 6, what="HPA")
+
+    api.merge_patch(isvc_path("routed"), {"spec": {"router": None, "autoscaling": None}})
+    for path in [*group_paths.values(), child_path("Deployment", "routed-epp")]:
+        wait_for(lambda path=path: api.get(path) is None, what=f"{path} deleted")
+    engine = child_path("Deployment", "routed")
+    wait_for(lambda: api.get(engine)["spec"].get("replicas") == 2, what="the operator's replicas back")
+
+
 def granted_verbs() -> set[tuple[str, str, str]]:
     """(group, resource, verb) the chart's namespaced Role grants."""
     helm = find_tool("helm")

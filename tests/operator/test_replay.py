@@ -67,8 +67,11 @@ def test_json_output_walks_the_ladder_with_cooldown(files, capsys):
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == 1800 / INTERVAL + 1  # one decision per tick
-    assert set(lines[0]) == {"time", "action", "lever", "field", "from", "to", "reason"}
+    assert set(lines[0]) == {"time", "action", "lever", "field", "from", "to", "reason", "path"}
     applied = [line for line in lines if line["action"] == "apply"]
+    # The synthetic scrapes carry no length histograms: the plan cannot be built, the ladder answers.
+    assert [a["path"] for a in applied] == ["ladder"] * 3
+    assert all("ladder: the plan was not used" in a["reason"] for a in applied)
     # The first full window of the storm: gpuMemoryUtilization 0.9 -> 0.95; the metrics do not react,
     # so after the cooldown (600 s) the next lever: maxNumSeqs 64 -> 30 (3/4 of the 40 that ran).
     assert [(a["lever"], a["field"], a["from"], a["to"]) for a in applied] == [
@@ -90,7 +93,7 @@ def test_table_output_and_summary(files, capsys):
     code, out, _ = run_cli(capsys, "-f", str(manifest), "--metrics", str(samples), "--changes-only")
     assert code == 0
     header, row, footer = out.splitlines()
-    assert header.split()[:7] == ["TIME", "ACTION", "LEVER", "FIELD", "FROM", "TO", "REASON"]
+    assert header.split()[:8] == ["TIME", "ACTION", "LEVER", "FIELD", "FROM", "TO", "PATH", "REASON"]
     assert row.split()[1:6] == ["apply", "raiseGpuMemoryUtilization", "gpuMemoryUtilization", "0.9", "0.95"]
     assert footer.startswith("25 evaluation(s): 1 applied, 0 recommended; overrides at the end:")
     assert "gpuMemoryUtilization 0.95" in footer
