@@ -203,6 +203,13 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     server.add_argument(
         "--disable-log-stats", action="store_true", help="do not log throughput and cache usage every 10 s"
     )
+    server.add_argument(
+        "--request-trace",
+        metavar="FILE",
+        default=None,
+        help="append one JSON line per finished request to FILE: arrival time, prompt and output "
+        "lengths, finish reason, TTFT, latency, preemptions; no text (for kvpilot plan --trace)",
+    )
 
     engine = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineArgs)

@@ -21,6 +21,7 @@ from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.metrics import LoggingStatLogger, PrometheusStatLogger
+from kvpilot.engine.request_trace import RequestTraceLogger
 from kvpilot.engine.server.app import build_app
 from kvpilot.engine.server.cli import request_limits_from
 from kvpilot.engine.server.protocol import GENERATION_CONFIG_KEYS
@@ -68,6 +69,13 @@ def serve(
     engine.stat_loggers.append(metrics)
     if not args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger(logging.getLogger("kvpilot.stats")))
+    if args.request_trace:
+        try:
+            engine.stat_loggers.append(RequestTraceLogger(args.request_trace))
+        except OSError as exc:
+            logger.error("cannot open the request trace %s: %s", args.request_trace, exc)
+            engine.shutdown()
+            return 1
     defaults = generation_defaults(engine.model_dir) if args.generation_config == "auto" else {}
     state = ServerState(
         engine=AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests),

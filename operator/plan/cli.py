@@ -27,7 +27,7 @@ from kvpilot.operator.plan.candidates import (
 )
 from kvpilot.operator.plan.recording import RecordingError, read_recording
 from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError, fit_step_time
-from kvpilot.operator.plan.workload import Workload, workload_from_scrapes
+from kvpilot.operator.plan.workload import Workload, with_trace, workload_from_scrapes
 
 HEADER = (
     "",
@@ -68,6 +68,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="send every recorded arrival at its time (default: never more in flight than the "
         "recording's peak, as clients that wait for answers do)",
+    )
+    plan.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a request trace (`kvpilot serve --request-trace`, one per pod; repeat the flag): the "
+        "arrivals and length pairs as recorded instead of the histograms' distributions",
     )
     plan.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     plan.set_defaults(func=run_plan_command)
@@ -193,7 +201,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print("error: invalid InferenceService: " + "; ".join(settings.problems), file=sys.stderr)
         return 1
     try:
-        workload = workload_from_scrapes(read_recording(args.recording, isvc))
+        scrapes = read_recording(args.recording, isvc)
+        workload = workload_from_scrapes(scrapes)
+        if args.trace:
+            workload = with_trace(workload, scrapes, args.trace)
         step_time = fit_step_time(workload.step_windows)
     except (RecordingError, StepTimeError) as exc:
         print(f"error: {args.recording}: {exc}", file=sys.stderr)
