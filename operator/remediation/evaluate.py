@@ -145,7 +145,23 @@ def pressure_condition(
             return condition(
                 PRESSURE, True, "Demand", "subsiding: KV cache and queue still near the thresholds"
             )
+        if was.get("reason") == "Demand" and _latency_near(window, s):
+            return condition(
+                PRESSURE, True, "Demand", "subsiding: requests still queue with latency near the threshold"
+            )
     return condition(PRESSURE, False, "NoPressure", "no sustained preemption or queue at a full KV cache")
+
+
+def _latency_near(window: MetricWindow, s: RemediationSettings) -> bool:
+    """The latency demand rule's hysteresis: requests still wait (half of requestsWaitingMin on
+    average) and TTFT p99 (with an SLO) or the mean queue time (without) is above half its threshold."""
+    if window.waiting < s.waiting_min * PRESSURE_EXIT_RATIO:
+        return False
+    if s.ttft_p99_slo_s is not None:
+        p99 = window.ttft_p99_s
+        return p99 is not None and p99 > s.ttft_p99_slo_s * PRESSURE_EXIT_RATIO
+    queue_time = window.queue_time_s
+    return queue_time is not None and queue_time > s.queue_time_high_s * PRESSURE_EXIT_RATIO
 
 
 def remediating_condition(
