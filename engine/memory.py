@@ -29,6 +29,11 @@ class KVPoolPlan:
     budget_bytes: int | None  # memory the fraction applies to (None: sized explicitly)
     weights_bytes: int
     activation_bytes: int
+    # How the activation peak scales with the step shape (bytes per batched token and per sequence),
+    # so that a planner can size the pool for another max_num_batched_tokens / max_num_seqs: the
+    # estimate's own coefficients on CPU; on CUDA the profiled peak over the tokens profiled.
+    activation_bytes_per_token: int | None = None
+    activation_bytes_per_seq: int | None = None
 
     @property
     def kv_bytes(self) -> int:

@@ -299,6 +299,8 @@ class PrometheusStatLogger(StatLoggerBase):
             "weights_bytes": plan.weights_bytes,
             "activation_bytes": plan.activation_bytes,
             "bytes_per_block": plan.bytes_per_block,
+            "activation_bytes_per_token": plan.activation_bytes_per_token,
+            "activation_bytes_per_seq": plan.activation_bytes_per_seq,
         }
         return cls(
             model_name,

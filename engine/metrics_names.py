@@ -79,11 +79,19 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 MODEL_CONFIG_INFO = "kvpilot_model_config_info"  # ours alone: Prometheus naming (no ":")
 
 # Ours: what the KV pool was sized from (engine/memory.py plan_kv_pool): the memory the fraction applies
-# to, the weights and activation peak taken off it, and the bytes of one block, so that a planner can
-# size the pool at another gpu_memory_utilization the way the engine would. Empty values: sized
+# to, the weights and activation peak taken off it, the bytes of one block, and how the activation peak
+# scales per batched token and per sequence, so that a planner can size the pool at another
+# gpu_memory_utilization, max_num_batched_tokens or max_num_seqs the way the engine would. Empty values: sized
 # explicitly (num_gpu_blocks_override / kv_cache_memory_bytes).
 KV_POOL_INFO = "kvpilot_kv_pool_info"
-KV_POOL_LABELS = ("memory_budget_bytes", "weights_bytes", "activation_bytes", "bytes_per_block")
+KV_POOL_LABELS = (
+    "memory_budget_bytes",
+    "weights_bytes",
+    "activation_bytes",
+    "bytes_per_block",
+    "activation_bytes_per_token",
+    "activation_bytes_per_seq",
+)
 
 # Ours: the settings that change at run time (``POST /admin/config``), as in force at this scrape.
 CONFIG_INFO = "kvpilot_config_info"

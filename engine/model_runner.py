@@ -362,6 +362,7 @@ class ModelRunner:
         activation = 0
         budget = 0
         used = 0
+        per_token = per_seq = 0
         if not explicit:
             tokens = scheduler.max_num_batched_tokens
             if device.type == "cuda":
@@ -371,6 +372,7 @@ class ModelRunner:
                 self.profile_forward(tokens, scheduler.max_num_seqs)
                 torch.cuda.synchronize(device)
                 activation = torch.cuda.max_memory_allocated(device) - before
+                per_token, per_seq = max(0, activation) // max(1, tokens), 0
                 free, budget = torch.cuda.mem_get_info(device)
                 used = budget - free - weights  # other processes and the CUDA context
             else:
@@ -381,16 +383,18 @@ class ModelRunner:
                     logits_vocab = cfg.vocab_size
                 else:
                     logits_vocab = shard.num_vocab_rows if shard.is_last_stage else 0
-                activation = cpu_activation_estimate(
-                    tokens,
+                shape = (
                     cfg.hidden_size,
                     shard.intermediate_size,
                     (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim,
                     logits_vocab,
-                    scheduler.max_num_seqs,
-                    dtype.itemsize,
                 )
-        return plan_kv_pool(
+                activation = cpu_activation_estimate(
+                    tokens, *shape, num_seqs=scheduler.max_num_seqs, dtype_bytes=dtype.itemsize
+                )
+                per_token = cpu_activation_estimate(1, *shape, num_seqs=0, dtype_bytes=dtype.itemsize)
+                per_seq = cpu_activation_estimate(0, *shape, num_seqs=1, dtype_bytes=dtype.itemsize)
+        plan = plan_kv_pool(
             block_size=cache.block_size,
             bytes_per_block=self.kv_bytes_per_block,
             max_model_len=scheduler.max_model_len,
@@ -402,3 +406,6 @@ class ModelRunner:
             activation_bytes=activation,
             already_used_bytes=max(0, used),
         )
+        if not explicit:
+            plan.activation_bytes_per_token, plan.activation_bytes_per_seq = per_token, per_seq
+        return plan

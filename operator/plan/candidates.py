@@ -225,7 +225,9 @@ def evaluate(
     """Simulate one replica of ``candidate`` on the workload (see the module doc); ``kv_headroom``: run
     it on a KV pool this fraction smaller than the candidate's (a margin for what the recorded
     distributions cannot show)."""
-    blocks = workload.pool.blocks_at(candidate.gpu_memory_utilization)
+    blocks = workload.pool.blocks_at(
+        candidate.gpu_memory_utilization, candidate.max_num_seqs, candidate.max_num_batched_tokens
+    )
     if kv_headroom > 0:
         blocks = max(1, math.floor(blocks * (1.0 - kv_headroom)))
     gpus = candidate.replicas * ctx.gpus_per_replica

@@ -95,14 +95,20 @@ class KVPool:
     # What kvpilot's engine sized the pool from (kvpilot_kv_pool_info); None where not exported (vLLM).
     sizing: PoolSizing | None = None
 
-    def blocks_at(self, gpu_memory_utilization: float) -> int:
+    def blocks_at(
+        self,
+        gpu_memory_utilization: float,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+    ) -> int:
         """The pool at another memory fraction. With the sizing kvpilot's engine exports, exactly as the
         engine sizes it (``engine.memory.plan_kv_pool``: ``fraction x budget - weights - activations``,
-        in whole blocks). Without it (vLLM) the recording carries neither the device memory nor the
-        weights, so the block count is scaled by the fraction itself: ``blocks x new / old``, a lower
+        in whole blocks; the activation peak for the candidate's ``max_num_seqs`` and
+        ``max_num_batched_tokens`` when given, as the engine's estimate scales). Without it (vLLM)
+        the recording carries neither the device memory nor the weights, so the block count is scaled by the fraction itself: ``blocks x new / old``, a lower
         bound of the real pool whenever weights and activations take memory, so a candidate's
         predicted headroom errs on the safe side. A pool sized explicitly does not move."""
-        if self.explicit_size or self.gpu_memory_utilization is None:
+        if self.explicit_size:
             return self.num_gpu_blocks
         if self.sizing is not None:
             try:
@@ -115,11 +121,13 @@ class KVPool:
                     gpu_memory_utilization=gpu_memory_utilization,
                     budget_bytes=self.sizing.budget_bytes,
                     weights_bytes=self.sizing.weights_bytes,
-                    activation_bytes=self.sizing.activation_bytes,
+                    activation_bytes=self.sizing.activation_at(max_num_seqs, max_num_batched_tokens),
                 )
             except KVCacheSizeError:
                 return 1  # no room at that fraction: the smallest pool, which cannot keep up
             return max(1, plan.num_blocks)
+        if self.gpu_memory_utilization is None:
+            return self.num_gpu_blocks
         return max(1, math.floor(self.num_gpu_blocks * gpu_memory_utilization / self.gpu_memory_utilization))
 
 
@@ -131,16 +139,32 @@ class PoolSizing:
     weights_bytes: int
     activation_bytes: int
     bytes_per_block: int
+    activation_bytes_per_token: int | None = None
+    activation_bytes_per_seq: int | None = None
 
     @classmethod
     def of(cls, labels: Mapping[str, str]) -> PoolSizing | None:
         try:
-            values = [int(labels[k]) for k in m.KV_POOL_LABELS]
+            values = [int(labels[k]) for k in m.KV_POOL_LABELS[:4]]
         except (KeyError, ValueError):
             return None  # not exported, or sized explicitly ("None")
         if values[0] <= 0 or values[3] <= 0 or min(values) < 0:
             return None
-        return cls(*values)
+        scaling = []
+        for key in m.KV_POOL_LABELS[4:]:
+            try:
+                scaling.append(max(0, int(labels[key])))
+            except (KeyError, ValueError):
+                scaling.append(None)
+        return cls(*values, *scaling)
+
+    def activation_at(self, max_num_seqs: int | None, max_num_batched_tokens: int | None) -> int:
+        """The activation peak for another step shape, as the engine estimates it (its recorded value
+        when the coefficients or the shape are unknown)."""
+        per_token, per_seq = self.activation_bytes_per_token, self.activation_bytes_per_seq
+        if per_token is None or per_seq is None or max_num_batched_tokens is None:
+            return self.activation_bytes
+        return per_token * max_num_batched_tokens + per_seq * (max_num_seqs or 0)
 
 
 @dataclasses.dataclass(frozen=True)

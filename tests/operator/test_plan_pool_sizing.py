@@ -21,7 +21,7 @@ def _engine_scrape(model: str, fraction: float, **extra) -> tuple[str, int]:
         device="cpu",
         cpu_memory_budget_bytes=BUDGET,
         gpu_memory_utilization=fraction,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=extra.pop("max_num_batched_tokens_", 512),
         **extra,
     )
     try:
@@ -39,9 +39,12 @@ def test_blocks_at_another_fraction_are_the_engines_own(tiny_llama):
     assert pool.num_gpu_blocks == blocks and pool.blocks_at(0.5) == blocks
     for fraction in (0.6, 0.8):
         _, real = _engine_scrape(str(tiny_llama), fraction)
-        assert pool.blocks_at(fraction) == real, fraction
+        assert pool.blocks_at(fraction, 256, 512) == real, fraction
         # Scaling the count by the fraction (all a vLLM recording allows) underestimates it.
         assert blocks * fraction / 0.5 < real
+    # The activation peak scales with the step shape: fewer batched tokens or sequences leave room.
+    _, real = _engine_scrape(str(tiny_llama), 0.5, max_num_seqs=4, max_num_batched_tokens_=256)
+    assert pool.blocks_at(0.5, 4, 256) == real > blocks
 
 
 def test_an_explicitly_sized_pool_exports_no_sizing_and_does_not_move(tiny_llama):
