@@ -255,6 +255,9 @@ def test_remediation_ends_a_preemption_storm_on_a_real_engine(workspace, tiny_ll
                 "mode": "Auto", "preemptionRate": THRESHOLD, "window": f"{WINDOW_S}s", "cooldown": "8s",
                 # The restart path on real engines (the live order runs in the demo's test).
                 "liveLevers": False,
+                # The ladder's rung, exactly (the pool is calibrated for one 0.05 step): the plan's jump
+                # on a real engine is the demo's test (tests/operator/test_local_cli.py).
+                "plan": {"enabled": False},
                 "limits": {"maxGpuMemoryUtilization": round(fraction + 0.05, 4), "minReplicas": 1,
                            "maxReplicas": 1, "minMaxNumSeqs": 4, "minMaxNumBatchedTokens": 128},
             },
