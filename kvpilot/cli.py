@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "replay": "kvpilot.operator.cli",
     "plan": "kvpilot.operator.plan.cli",
     "up": "kvpilot.operator.local.platform",
+    "router": "kvpilot.operator.router.cli",
 }
 
 # The import names of the engine extra's packages (pyproject's optional-dependencies).
@@ -42,6 +43,8 @@ REQUIRED_EXTRAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "operator": (("operator",), ("kopf", "aiohttp")),
     # The front door and the scrapes use aiohttp; every replica is a `kvpilot serve` process.
     "up": (("engine", "operator"), ("aiohttp", *_ENGINE_MODULES)),
+    # The scoring front door: aiohttp for the proxy and the scrapes, no engine.
+    "router": (("operator",), ("aiohttp",)),
 }
 
 

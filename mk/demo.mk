@@ -6,6 +6,8 @@
 #   make demo MODEL=/path/to/hf-dir  a real Hugging Face model directory (slower on CPU)
 #   KVPILOT_DEMO_QUICK=1 make demo   the short run (CI)
 #   make demo DEMO_ARGS=--no-live    every change rolls out (no live relief): the restart path alone
+#   make demo DEMO_ARGS=--no-plan    the ladder alone (spec.remediation.plan.enabled: false)
+#   make demo DEMO_ARGS=--compare    the plan, then the ladder alone, and both side by side
 DEMO_DIR ?= build/demo
 DEMO_STAMP := $(VENV)/.demo-installed
 

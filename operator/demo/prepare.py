@@ -2,9 +2,13 @@
 
 On CPU the KV pool is ``gpuMemoryUtilization x cpuMemoryBudgetBytes - weights - activations``. One probe
 ``kvpilot serve`` (fraction 1.0 of a known budget) reports the pool it got, and so what weights and
-activations take; from that :func:`calibrate` picks a budget and a fraction that leave ~14 blocks of 16
-tokens while the demo's load needs 8 x 7 = 56, and such that one 0.05 step of the fraction (the
-remediation policy's first lever) leaves ~62.
+activations take; from that :func:`calibrate` picks a budget and a fraction that leave ~20 blocks of 16
+tokens while the demo's load needs 8 x 7 = 56, each 0.01 of the fraction adding ~4 blocks: the load fits
+~0.09 above the starting fraction, so one 0.05 step of the remediation ladder (~40 blocks) leaves the
+storm on and a second (~60) ends it, while a plan can go there in one change. The limit
+(``maxGpuMemoryUtilization``) is 0.15 above the start, room for the plan's safety margin. A model whose
+weights take more than ~300 blocks cannot start that low (the fraction stays <= 0.85): each step then
+adds more, and one may be enough.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ from kvpilot.operator.remediation.metrics import parse_scrape
 
 THRESHOLD = 1.0  # preemptions/s per replica that count as a storm
 SHAPE = {"maxModelLen": 128, "maxNumBatchedTokens": 256, "maxNumSeqs": 16, "enablePrefixCaching": False}
-BLOCKS_BEFORE, BLOCKS_AFTER = 14.5, 62.5  # the pool before and after one 0.05 step (8 x 7 = 56 needed)
+BLOCKS_BEFORE = 20.5  # the starting pool (8 x 7 = 56 needed); two requests still fit under a relief
+BLOCKS_PER_HUNDREDTH = 4  # blocks each 0.01 of the fraction adds: the load fits ~0.09 above the start
+MAX_START_FRACTION = 0.85
+LIMIT_ABOVE_START = 0.15  # maxGpuMemoryUtilization: three ladder rungs, or a plan with its margin
+LADDER_STEP = 0.05  # the remediation ladder's step of the memory fraction (policy.GPU_MEMORY_STEP)
+LOAD_BLOCKS = 8 * 7  # the demo's load at full length: 8 streams of 112 tokens in blocks of 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LISTEN_LINE = re.compile(r"listening on (http://\S+)")
 
@@ -114,27 +123,43 @@ def calibrate(model: Path, out: Path) -> dict[str, Any]:
         * DTYPE_BYTES[info["dtype"]]
     )
     fixed = probe_budget - int(cache["num_gpu_blocks"]) * bytes_per_block  # weights + activations
-    step_blocks = BLOCKS_AFTER - BLOCKS_BEFORE
-    # One 0.05 step of the fraction must add step_blocks; the starting fraction stays <= 0.8.
+    # Each 0.01 of the fraction adds BLOCKS_PER_HUNDREDTH blocks, unless the fraction would then start
+    # above MAX_START_FRACTION (a large model): a larger budget, so more blocks per step.
     needed = fixed + BLOCKS_BEFORE * bytes_per_block
-    budget = max(round(20 * step_blocks * bytes_per_block), round(needed / 0.8))
+    budget = max(round(100 * BLOCKS_PER_HUNDREDTH * bytes_per_block), round(needed / MAX_START_FRACTION))
     fraction = round(needed / budget, 4)
-    blocks_after = int((round(fraction + 0.05, 4) * budget - fixed) // bytes_per_block)
+    limit = min(1.0, round(fraction + LIMIT_ABOVE_START, 4))
+
+    def blocks_at(value: float) -> int:
+        return int((round(value, 4) * budget - fixed) // bytes_per_block)
+
+    rungs = [blocks_at(min(limit, fraction + k * LADDER_STEP)) for k in (1, 2)]
+    fits = next((k / 100 for k in range(1, 101) if blocks_at(fraction + k / 100) >= LOAD_BLOCKS), None)
     return {
         "budget": budget,
         "fraction": fraction,
+        "max_fraction": limit,
         "bytes_per_block": bytes_per_block,
         "fixed_bytes": fixed,
-        "expected_blocks": [int(BLOCKS_BEFORE), blocks_after],
+        "expected_blocks": [blocks_at(fraction), *rungs],
+        "load_blocks": LOAD_BLOCKS,
+        "fits_above_start": fits,
         "dtype": info["dtype"],
     }
 
 
 def write_manifest(
-    path: Path, model: Path, cal: dict[str, Any], window_s: int, cooldown_s: int, live: bool = True
+    path: Path,
+    model: Path,
+    cal: dict[str, Any],
+    window_s: int,
+    cooldown_s: int,
+    live: bool = True,
+    plan: bool = True,
 ) -> dict:
     """The demo's InferenceService (also usable by hand: ``kvpilot up -f`` it). ``live``:
-    ``spec.remediation.liveLevers`` (relief in place first, then the restart lever)."""
+    ``spec.remediation.liveLevers`` (relief in place first, then the restart lever); ``plan``:
+    ``spec.remediation.plan.enabled`` (false: the ladder alone, one 0.05 rung per cooldown)."""
     isvc = {
         "apiVersion": names.API_VERSION,
         "kind": names.KIND,
@@ -157,11 +182,12 @@ def write_manifest(
                 "window": f"{window_s}s",
                 "cooldown": f"{cooldown_s}s",
                 "liveLevers": live,
+                "plan": {"enabled": plan},
                 "limits": {
-                    "maxGpuMemoryUtilization": min(1.0, round(cal["fraction"] + 0.1, 4)),
+                    "maxGpuMemoryUtilization": cal["max_fraction"],
                     "minReplicas": 1,
                     "maxReplicas": 1,
-                    # A relief may go down to what the pool holds (2 requests of 7 blocks in ~14).
+                    # A relief may go down to what the pool holds (2 requests of 7 blocks in ~20).
                     "minMaxNumSeqs": 1,
                     "minMaxNumBatchedTokens": 128,
                 },
@@ -169,7 +195,7 @@ def write_manifest(
         },
     }
     header = (
-        "# Written by `make demo`: a KV pool deliberately too small for the load (operator/demo.py).\n"
+        "# Written by `make demo`: a KV pool too small for the load (operator/demo/prepare.py).\n"
         "# On CPU, gpuMemoryUtilization is a fraction of cpuMemoryBudgetBytes: raising it grows the pool.\n"
         f"#   kvpilot up -f {path} --local\n"
     )

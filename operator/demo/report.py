@@ -183,7 +183,8 @@ def summarize_run(
     for change in timeline.changes:
         lines.append(
             f"remediation at +{change['t']:.0f}s: {change['lever']}: {change['field']} "
-            f"{change['from']:g} -> {change['to']:g} (applied by {change.get('appliedBy') or 'rollout'})"
+            f"{change['from']:g} -> {change['to']:g} (applied by {change.get('appliedBy') or 'rollout'}"
+            + (f", path {change['path']})" if change.get("path") else ")")
         )
         lines.append(f"  why: {change['reason']}")
     if "storm_to_relief_s" in cost:
@@ -230,7 +231,18 @@ def summarize_run(
         )
     else:
         lines.append(f"loop NOT closed: {why_not}")
+    calm = lasting_calm(timeline, timeline.changes[0]["at"], threshold) if timeline.changes else None
+    calm_s = round(calm - timeline.changes[0]["at"], 1) if calm is not None else None
+    restarts = sum(1 for c in timeline.changes if (c.get("appliedBy") or "rollout") == "rollout")
+    lines.insert(
+        -1,
+        f"restart-lever changes: {restarts}; first change -> lasting calm: "
+        + (f"{calm_s:g} s" if calm_s is not None else "never"),
+    )
     return {
+        "lasting_calm_s": calm_s,
+        "requests_total": len(trips),
+        "restart_lever_changes": restarts,
         "before": before,
         "after": after,
         "remediations": timeline.changes,
@@ -241,6 +253,64 @@ def summarize_run(
         "why_not": why_not,
         "text": "\n".join(lines),
     }
+
+
+def lasting_calm(timeline: Timeline, since: float, threshold: float) -> float | None:
+    """The start of the last stretch after ``since`` whose preemption rate per replica stays below
+    ``threshold`` to the end of the timeline (None: it ends in a storm, or nothing was sampled)."""
+    start = None
+    previous = since
+    for sample in (s for s in timeline.samples if s.time > since):
+        if sample.preemption_rate / max(sample.replicas_ready, 1) < threshold:
+            start = previous if start is None else start
+        else:
+            start = None
+        previous = sample.time
+    return start
+
+
+def comparison_row(result: dict[str, Any], threshold: float) -> dict[str, Any]:
+    """One run's numbers for the side-by-side table: restart-lever changes (rolled out), seconds from
+    the first change to lasting calm, requests completed, preemptions/s before and after."""
+    changes = result["remediations"]
+    restarts = [c for c in changes if (c.get("appliedBy") or "rollout") == "rollout"]
+    calm = result.get("lasting_calm_s")
+    return {
+        "restart_lever_changes": len(restarts),
+        "paths": [c.get("path") or "ladder" for c in restarts],
+        "values": [c["to"] for c in restarts],
+        "first_change_to_calm_s": calm,
+        "requests": sum(p["requests"] for p in (result["before"], result["after"] or {"requests": 0})),
+        "requests_total": result.get("requests_total"),
+        "before": result["before"]["preemptions_per_s_per_replica"],
+        "after": (result["after"] or {}).get("preemptions_per_s_per_replica"),
+        "passed": result.get("passed", result["loop_closed"]),
+    }
+
+
+def compare_runs(results: dict[str, dict[str, Any]], threshold: float) -> str:
+    """The plan and ladder runs side by side (``results``: name -> summarize_run's result)."""
+    rows = {name: comparison_row(r, threshold) for name, r in results.items()}
+    names_ = list(rows)
+    show = [
+        ("restart-lever changes", lambda r: str(r["restart_lever_changes"])),
+        ("their values", lambda r: " ".join(f"{v:g}" for v in r["values"]) or "-"),
+        ("their paths", lambda r: " ".join(r["paths"]) or "-"),
+        (
+            "first change -> calm (s)",
+            lambda r: (
+                f"{r['first_change_to_calm_s']:g}" if r["first_change_to_calm_s"] is not None else "never"
+            ),
+        ),
+        ("requests completed", lambda r: str(r["requests_total"])),
+        ("preemptions/s before", lambda r: f"{r['before']:g}"),
+        ("preemptions/s after", lambda r: f"{r['after']:g}" if r["after"] is not None else "-"),
+        ("loop closed", lambda r: "yes" if r["passed"] else "no"),
+    ]
+    lines = ["== kvpilot demo: plan vs ladder ==", f"  {'':28}" + "".join(f"{n:>16}" for n in names_)]
+    for label, fmt in show:
+        lines.append(f"  {label:28}" + "".join(f"{fmt(rows[n]):>16}" for n in names_))
+    return "\n".join(lines)
 
 
 def _label(axis: Any, text: str, x: float, y: float, color: str, va: str = "baseline") -> None:
@@ -287,7 +357,8 @@ def write_plot(timeline: Timeline, marks: dict[str, float], threshold: float, pa
     for change in timeline.changes:
         for axis in (top, bottom):
             axis.axvline(change["t"], color="tab:orange", linestyle="--")
-        label = f"{change['lever']}\n{change['field']} {change['from']:g} → {change['to']:g}"
+        how = change.get("path") or ("live" if change.get("appliedBy") == "live" else "ladder")
+        label = f"{change['lever']} [{how}]\n{change['field']} {change['from']:g} → {change['to']:g}"
         _label(top, label, change["t"], 0.97, "tab:orange", va="top")
     if "rolled_out" in marks:
         _label(top, "new configuration serving", marks["rolled_out"] - t0, 0.6, "tab:green")

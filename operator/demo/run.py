@@ -53,7 +53,15 @@ from kvpilot.operator.demo.prepare import (
     wait_for_line,
     write_manifest,
 )
-from kvpilot.operator.demo.report import Sample, Timeline, Trip, summarize_run, write_plot
+from kvpilot.operator.demo.report import (
+    Sample,
+    Timeline,
+    Trip,
+    compare_runs,
+    comparison_row,
+    summarize_run,
+    write_plot,
+)
 from kvpilot.operator.remediation.decision import RELIEVE_MAX_NUM_SEQS
 from kvpilot.operator.remediation.metrics import parse_scrape
 
@@ -272,7 +280,8 @@ async def drive(url: str, model_name: str, vocab: int, scenario: Scenario) -> tu
             for change in changes[seen:]:
                 what = f"{change['field']} {change['from']:g} -> {change['to']:g}"
                 how = change.get("appliedBy") or "rollout"
-                say(f"  >> remediation {change['lever']}: {what} (applied by {how})")
+                path = f", path {change['path']}" if change.get("path") else ""
+                say(f"  >> remediation {change['lever']}: {what} (applied by {how}{path})")
                 say(f"     reason: {change['reason']}")
                 at = _change_time(change, now)
                 monitor.timeline.changes.append({**change, "t": at - t0, "at": at})
@@ -305,7 +314,16 @@ async def drive(url: str, model_name: str, vocab: int, scenario: Scenario) -> tu
                 continue
             marks.setdefault("settled", now)
             if now - marks["settled"] >= scenario.after_s:
-                break
+                # Calm: done. A storm again (the ladder's rung was not enough): the next change is one
+                # cooldown and a window away; wait for it, within bounds.
+                recent = [x for x in monitor.timeline.samples if x.time > now - scenario.after_s]
+                span = recent[-1].time - recent[0].time if len(recent) > 1 else 0.0
+                rate = sum(x.preemptions for x in recent[1:]) / span if span else 0.0
+                if rate < THRESHOLD:
+                    break
+                if now - marks["settled"] > scenario.after_s + 2 * scenario.cooldown_s + scenario.window_s:
+                    say(f"the storm came back ({rate:.1f} preemptions/s) and no further change ended it")
+                    break
     load.stopping.set()
     try:
         await asyncio.wait_for(load_task, timeout=30)
@@ -352,6 +370,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="every change rolls out (spec.remediation.liveLevers: false): the restart path alone",
     )
+    paths = parser.add_mutually_exclusive_group()
+    paths.add_argument(
+        "--no-plan",
+        dest="plan",
+        action="store_false",
+        help="the ladder alone (spec.remediation.plan.enabled: false): one 0.05 rung per cooldown",
+    )
+    paths.add_argument(
+        "--compare",
+        action="store_true",
+        help="run twice, with the plan then with the ladder alone (--no-plan), and print them side by side",
+    )
     args = parser.parse_args(argv)
     scenario = QUICK if args.quick else FULL
     out = args.out.resolve()
@@ -359,22 +389,50 @@ def main(argv: list[str] | None = None) -> int:
     began = time.time()
 
     model = ensure_model(args.model, out, scenario.size)
-    config = json.loads((model / "config.json").read_text())
     say(f"model: {model}")
     say("calibrating: one probe engine measures what weights and activations take...")
     cal = calibrate(model, out)
-    manifest = out / "inferenceservice.yaml"
-    isvc = write_manifest(manifest, model, cal, scenario.window_s, scenario.cooldown_s, args.live)
-    before, after = cal["expected_blocks"]
+    blocks = cal["expected_blocks"]
+    above = f"{cal['fits_above_start']:g}" if cal["fits_above_start"] is not None else "more than 1"
     say(
         f"KV pool: cpuMemoryBudgetBytes {cal['budget']:,} x gpuMemoryUtilization {cal['fraction']:g} leaves "
-        f"~{before} blocks of 16 tokens; {CONCURRENCY} streams need {CONCURRENCY * 7}; "
-        f"one 0.05 step gives ~{after}"
+        f"~{blocks[0]} blocks of 16 tokens; {CONCURRENCY} streams need {cal['load_blocks']} (the fraction "
+        f"{above} higher); one 0.05 step gives ~{blocks[1]}, two ~{blocks[2]}; limit {cal['max_fraction']:g}"
     )
+    if not args.compare:
+        result = run_once(model, out, cal, scenario, args.live, args.plan, began)
+        return 0 if result["passed"] else 1
+    results = {}
+    for name, plan in (("plan", True), ("ladder", False)):
+        say()
+        say(f"=== {name}: spec.remediation.plan.enabled {str(plan).lower()} ===")
+        results[name] = run_once(model, out / name, cal, scenario, args.live, plan, time.time())
+    table = compare_runs(results, THRESHOLD)
+    (out / "compare.json").write_text(
+        json.dumps({k: comparison_row(v, THRESHOLD) for k, v in results.items()})
+    )
+    say()
+    say(table)
+    passed = all(r["passed"] for r in results.values())
+    say(f"total {time.time() - began:.0f}s; " + ("PASS: the loop closed both ways" if passed else "FAIL"))
+    return 0 if passed else 1
+
+
+def run_once(
+    model: Path, out: Path, cal: dict[str, Any], scenario: Scenario, live: bool, plan: bool, began: float
+) -> dict[str, Any]:
+    """One run of the loop (steps 3-5) into ``out``: its summary (``passed``: the loop closed and every
+    process stopped)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model / "config.json").read_text())
+    manifest = out / "inferenceservice.yaml"
+    isvc = write_manifest(manifest, model, cal, scenario.window_s, scenario.cooldown_s, live, plan)
     say(f"starting: kvpilot up -f {manifest} --local")
     up_log = out / "kvpilot-up.log"
     command = [sys.executable, "-m", "kvpilot.cli", "up", "-f", str(manifest), "--local", "--port", "0"]
     command += ["--scrape-interval", "1", "--status-interval", "5", "--log-dir", str(out / "logs")]
+    command += ["--record", str(out / "scrapes.jsonl")]  # for kvpilot replay / kvpilot plan
+    (out / "scrapes.jsonl").unlink(missing_ok=True)
     up = start_process(command, up_log, new_session=False)  # same process group: Ctrl-C reaches it too
     monitor = load = None
     marks: dict[str, float] = {}
@@ -396,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("\ninterrupted: stopping kvpilot up")
         stop_process(up, signal.SIGINT, 30)
-        return 130
+        raise SystemExit(130) from None
     finally:
         pids = [r["pid"] for r in (monitor.status.get("replicas", []) if monitor else []) if r.get("pid")]
         code = stop_process(up, signal.SIGINT, 40)  # what Ctrl-C does
@@ -404,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"stopped kvpilot up (exit code {code}); engine processes left: {len(orphans)}")
     result = summarize_run(monitor.timeline, load.trips, load.refused, marks, THRESHOLD, cal)
     result.update(clean_exit=code == 0, orphans=orphans, elapsed_s=round(time.time() - began, 1))
+    result.update(live_levers=live, plan_enabled=plan)
     result["passed"] = bool(result["loop_closed"] and code == 0 and not orphans)
     if result["loop_closed"] and not result["passed"]:
         result["why_not"] = f"kvpilot up exited with {code}" if code else f"processes left: {orphans}"
@@ -418,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"timeline plot: {png or no_plot}")
     say(f"numbers: {out / 'summary.json'}; logs: {up_log}, {out / 'logs'}")
     say("PASS: the loop closed" if result["passed"] else "FAIL: " + result["why_not"])
-    return 0 if result["passed"] else 1
+    return result
 
 
 def _healthy(url: str) -> bool:

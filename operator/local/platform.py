@@ -38,6 +38,7 @@ from kvpilot.operator.api.rest import object_path
 from kvpilot.operator.api.runtime import RUNTIME_VLLM
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import ModelSourceError, parse_model_source
+from kvpilot.operator.api.timefmt import format_time
 from kvpilot.operator.local.api import LocalApi
 from kvpilot.operator.local.frontdoor import STATUS_PATH, FrontDoor
 from kvpilot.operator.local.process import ENV_VLLM_PYTHON, RuntimeMissing, find_vllm_python
@@ -46,6 +47,7 @@ from kvpilot.operator.options import OperatorOptions
 from kvpilot.operator.reconcile.reconciler import Reconciler
 from kvpilot.operator.remediation.loop import Autotuner
 from kvpilot.operator.remediation.pods import is_ready, metrics_url
+from kvpilot.operator.router.hold import ColdStartHold
 
 LOG = logging.getLogger("kvpilot.local")
 MANIFEST_POLL_S = 2.0
@@ -96,7 +98,10 @@ class LocalPlatform:
             logger=logger,
             on_change=self.reconcile,
         )
-        self.door = FrontDoor(self.endpoints, self.snapshot, host=host, port=port, logger=logger)
+        # A request that finds no ready replica (scaled to zero, or the only pod restarting) waits at
+        # the door, which asks remediation for a replica (wake-requested-at) while it waits.
+        hold = ColdStartHold(self.request_replica, logger=logger)
+        self.door = FrontDoor(self.endpoints, self.snapshot, host=host, port=port, logger=logger, hold=hold)
         self.reconciler = Reconciler(self.api, self._post_event)
         options = OperatorOptions(
             namespaces=(self.namespace,),
@@ -152,6 +157,14 @@ class LocalPlatform:
             self.logger.warning(f"{reason}: {message}")
         else:
             self.logger.debug(f"{reason}: {message}")
+
+    async def request_replica(self) -> None:
+        """The front door's wake: stamp ``wake-requested-at`` on the InferenceService (remediation adds
+        a replica 0 -> 1 for a stamp newer than its last change; at one replica or more it is ignored)."""
+        stamp = format_time(time.time())
+        await self.api.merge_patch(
+            self.isvc_path, {"metadata": {"annotations": {names.ANNOTATION_WAKE: stamp}}}
+        )
 
     def endpoints(self) -> list[str]:
         """Base URLs of the ready engine pods the Service selects (not terminating)."""

@@ -105,9 +105,10 @@ class KVPool:
         engine sizes it (``engine.memory.plan_kv_pool``: ``fraction x budget - weights - activations``,
         in whole blocks; the activation peak for the candidate's ``max_num_seqs`` and
         ``max_num_batched_tokens`` when given, as the engine's estimate scales). Without it (vLLM)
-        the recording carries neither the device memory nor the weights, so the block count is scaled by the fraction itself: ``blocks x new / old``, a lower
-        bound of the real pool whenever weights and activations take memory, so a candidate's
-        predicted headroom errs on the safe side. A pool sized explicitly does not move."""
+        the recording carries neither the device memory nor the weights, so the block count is
+        scaled by the fraction itself: ``blocks x new / old``, a lower bound of the real pool whenever
+        weights and activations take memory, so a candidate's predicted headroom errs on the safe
+        side. A pool sized explicitly does not move."""
         if self.explicit_size:
             return self.num_gpu_blocks
         if self.sizing is not None:

@@ -1,7 +1,7 @@
 """The local front door passes a client's disconnect on to the replica, streamed or not: the replica
 aborts the request (``finished_reason="abort"``), frees its KV blocks, and the door's in-flight count
-drops back to 0. The replica is a real ``kvpilot serve`` on a tiny checkpoint; the door runs in-process
-on its own event loop."""
+drops back to 0; the door's default policy scores on the replica's scraped gauges. The replica is a real
+``kvpilot serve`` on a tiny checkpoint; the door runs in-process on its own event loop."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import threading
 from urllib.parse import urlparse
 
+import httpx
 import pytest
 
 from kvpilot.engine import metrics_names as m
@@ -97,3 +98,18 @@ def test_a_disconnect_at_the_door_aborts_at_the_replica(replica, door, stream):
     generated = after.value(m.GENERATION_TOKENS_TOTAL) - before.value(m.GENERATION_TOKENS_TOTAL)
     assert generated < 3500
     wait_for(lambda: sum(door.in_flight.values()) == 0, timeout=5, what="the door's in-flight count to drop")
+
+
+def test_the_door_scores_on_the_replicas_scraped_gauges(replica, door):
+    # The default policy reads the replica's /metrics in the background, not per request.
+    wait_for(lambda: door.scraper.rounds >= 2, timeout=10, what="two scrape rounds")
+    load = door.scraper.loads[replica.url]
+    assert (load.num_requests_running, load.num_requests_waiting) == (0, 0)
+    before = door.picks["load"]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    response = httpx.post(door.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    snapshot = door.snapshot()
+    assert snapshot["policy"] == "score"
+    assert snapshot["picks"]["load"] == before + 1  # a prompt shorter than a block: load decides
+    assert httpx.get(door.url + "/metrics", timeout=10).status_code == 404  # metrics stay per replica

@@ -107,13 +107,17 @@ def test_demo_quick_closes_the_loop(tmp_path, tiny_llama):
     before, after = summary["before"], summary["after"]
     threshold = 1.0
     assert before["preemptions_per_s_per_replica"] > threshold > after["preemptions_per_s_per_replica"]
-    assert before["num_gpu_blocks"] < 56 <= after["num_gpu_blocks"], "one step makes room for the load"
+    assert before["num_gpu_blocks"] < 56 <= after["num_gpu_blocks"], (
+        "the planned change makes room for the load"
+    )
     # Relief in place first, the restart lever after it, then the relief ends in place.
     relief, durable, restore = summary["remediations"]
     assert (relief["lever"], relief["appliedBy"]) == ("relieveMaxNumSeqs", "live")
     assert relief["to"] < relief["from"] == 16
     assert (durable["field"], durable["appliedBy"]) == ("gpuMemoryUtilization", "rollout")
-    assert durable["to"] == pytest.approx(durable["from"] + 0.05)
+    # The pool is calibrated so that one 0.05 rung is not enough: the plan goes straight to the fix.
+    assert durable.get("path") == "plan", durable["reason"]
+    assert durable["to"] >= durable["from"] + 0.08
     assert (restore["lever"], restore["appliedBy"], restore["from"], restore["to"]) == (
         "restoreMaxNumSeqs",
         "live",
