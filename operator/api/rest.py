@@ -25,6 +25,9 @@ PLURALS = {
     "HTTPRoute": "httproutes",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": "scaledobjects",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
     names.KIND: names.PLURAL,
 }
 

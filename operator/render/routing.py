@@ -23,6 +23,7 @@ from kvpilot.engine.metrics_names import NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAIT
 from kvpilot.operator.api import names
 from kvpilot.operator.api.settings import Settings
 from kvpilot.operator.render.builders import common_labels, owner_reference, selector_labels
+from kvpilot.operator.render.wake import RBAC_API_VERSION, build_router_access, router_wakes, wake_target
 
 # What the Gateway API Inference Extension v1.6.2 publishes: its API group and its endpoint picker.
 INFERENCE_GROUP = "inference.networking.k8s.io"
@@ -44,6 +45,9 @@ COMPONENT_ROUTER = "router"
 # The kinds only these builders render, in apply order (what the reconciler prunes when unset).
 OPTIONAL_KINDS = (
     ("v1", "Service", "engines"),
+    ("v1", "ServiceAccount", "router"),
+    (RBAC_API_VERSION, "Role", "router"),
+    (RBAC_API_VERSION, "RoleBinding", "router"),
     ("apps/v1", "Deployment", "router"),
     ("v1", "Service", "router"),
     ("apps/v1", "Deployment", "epp"),
@@ -272,7 +276,10 @@ def router_command(settings: Settings) -> list[str]:
     """``kvpilot router --listen 0.0.0.0:<port> --backends-dns <headless>.<ns>.svc:<engine port>``."""
     port = int(settings.spec["router"]["frontDoor"]["port"])
     backends = f"{engines_service_name(settings.isvc)}.{_namespace(settings)}.svc:{names.HTTP_PORT}"
-    return ["kvpilot", "router", "--listen", f"0.0.0.0:{port}", "--backends-dns", backends]
+    command = ["kvpilot", "router", "--listen", f"0.0.0.0:{port}", "--backends-dns", backends]
+    if router_wakes(settings):  # scale to zero: held requests ask for a replica
+        command += ["--wake", wake_target(settings)]
+    return command
 
 
 def build_router_deployment(settings: Settings) -> dict[str, Any]:
@@ -293,7 +300,12 @@ def build_router_deployment(settings: Settings) -> dict[str, Any]:
     }
     if _resources(door):
         container["resources"] = _resources(door)
-    pod_spec = {"securityContext": copy.deepcopy(_POD_SECURITY), "containers": [container]}
+    pod_spec: dict[str, Any] = {"securityContext": copy.deepcopy(_POD_SECURITY), "containers": [container]}
+    if router_wakes(settings):  # its token may stamp wake-requested-at on this InferenceService alone
+        pod_spec["serviceAccountName"] = child_name(settings.isvc, "router")
+        pod_spec["automountServiceAccountToken"] = True
+    else:
+        pod_spec["automountServiceAccountToken"] = False  # the router never talks to the API then
     return _small_deployment(settings, "router", COMPONENT_ROUTER, int(door["replicas"]), pod_spec)
 
 
@@ -386,11 +398,13 @@ def build_routing_children(settings: Settings) -> list[dict[str, Any]]:
     router = spec.get("router") or {}
     children: list[dict[str, Any]] = []
     if "frontDoor" in router:
-        children += [
-            build_engines_service(settings),
-            build_router_deployment(settings),
-            build_router_service(settings),
-        ]
+        children.append(build_engines_service(settings))
+        if router_wakes(settings):
+            children += build_router_access(
+                settings,
+                lambda api_version, kind: _object(settings, api_version, kind, "router", COMPONENT_ROUTER),
+            )
+        children += [build_router_deployment(settings), build_router_service(settings)]
     pool = router.get("inferencePool")
     if pool is not None:
         if "endpointPicker" in pool:

@@ -7,7 +7,10 @@ Backends are the ``--backend`` URLs plus one ``http://IP:PORT`` per A/AAAA recor
 ``--backends-dns`` host, re-resolved every ``--dns-refresh-s``. Requests are proxied by
 :class:`~kvpilot.operator.router.proxy.BalancingProxy` (the local platform's front door too).
 ``/health`` answers 200 while a backend is known; ``/metrics`` is the router's own
-(``kvpilot_router_*``), in Prometheus text.
+(``kvpilot_router_*``), in Prometheus text. A request that finds no backend waits for one (at most
+``--hold-max-waiting`` requests, ``--hold-timeout-s`` each; then a 503 with ``Retry-After``); with
+``--wake NAMESPACE/NAME`` the router meanwhile asks for a replica of that InferenceService (scale from
+zero, :mod:`~kvpilot.operator.router.wake`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -27,7 +31,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvpilot.operator.api import names
 from kvpilot.operator.router import scoring
 from kvpilot.operator.router.discovery import DnsBackends, parse_host_port
+from kvpilot.operator.router.hold import ColdStartHold
 from kvpilot.operator.router.proxy import POLICIES, POLICY_SCORE, BalancingProxy
+from kvpilot.operator.router.wake import SERVICE_ACCOUNT_DIR, ApiWaker, parse_target
 
 LOG = logging.getLogger("kvpilot.router")
 PREFIX = "kvpilot_router_"
@@ -68,8 +74,8 @@ class Router(BalancingProxy):
 
 class RouterCollector:
     """The router's counters, read when scraped: requests per backend, picks per reason, backends
-    known, scrape errors per backend, connections refused per backend, requests in flight, DNS
-    errors."""
+    known, scrape errors per backend, connections refused per backend, requests in flight, requests
+    held for a backend by outcome and waiting now, wakes asked and failed, DNS errors."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -110,6 +116,26 @@ class RouterCollector:
         for url, count in sorted(router.refused.items()):
             refused.add_metric([url], count)
         yield refused
+        if router.hold is not None:
+            held = CounterMetricFamily(
+                PREFIX + "held",
+                "Requests that found no backend and waited, by how the wait ended",
+                labels=["outcome"],
+            )
+            for outcome, count in router.hold.outcomes.items():
+                held.add_metric([outcome], count)
+            yield held
+            yield GaugeMetricFamily(
+                PREFIX + "waiting", "Requests waiting for a backend now", value=router.hold.waiting
+            )
+            yield CounterMetricFamily(
+                PREFIX + "wakes", "Replicas asked for (wake-requested-at stamped)", value=router.hold.wakes
+            )
+            yield CounterMetricFamily(
+                PREFIX + "wake_errors",
+                "Wake requests that failed (asked again)",
+                value=router.hold.wake_errors,
+            )
         dns_errors = router.dns.errors if router.dns is not None else 0
         yield CounterMetricFamily(
             PREFIX + "dns_errors", "Failed DNS refreshes (last list kept)", value=dns_errors
@@ -121,6 +147,14 @@ def _host_port(value: str) -> tuple[str, int]:
         return parse_host_port(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _target(value: str) -> str:
+    try:
+        parse_target(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -164,6 +198,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.2,
         help="least seconds between two reads of a backend's /metrics (default: %(default)s)",
     )
+    router.add_argument(
+        "--hold-max-waiting",
+        type=int,
+        default=64,
+        help="requests that may wait for a backend at once; more get a 503 (default: %(default)s)",
+    )
+    router.add_argument(
+        "--hold-timeout-s",
+        type=float,
+        default=300.0,
+        help="seconds a request waits for a backend before a 503 (default: %(default)s)",
+    )
+    router.add_argument(
+        "--wake",
+        type=_target,
+        metavar="NAMESPACE/NAME",
+        help="while requests wait, stamp this InferenceService's wake-requested-at (scale from zero)",
+    )
+    router.add_argument(
+        "--kube-server", metavar="URL", help="the API server for --wake (default: the in-cluster one)"
+    )
+    router.add_argument(
+        "--kube-token-file",
+        type=Path,
+        default=SERVICE_ACCOUNT_DIR / "token",
+        help="bearer token for --wake (default: %(default)s)",
+    )
+    router.add_argument(
+        "--kube-ca-file",
+        type=Path,
+        default=SERVICE_ACCOUNT_DIR / "ca.crt",
+        help="CA bundle of the API server for --wake (default: %(default)s)",
+    )
     router.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     router.set_defaults(func=run)
 
@@ -174,14 +241,25 @@ def run(args: argparse.Namespace) -> int:
     if not args.backend and args.backends_dns is None:
         LOG.error("kvpilot router needs --backend URL or --backends-dns HOST:PORT")
         return 2
-    if args.dns_refresh_s <= 0 or args.scrape_interval_s <= 0:
-        LOG.error("--dns-refresh-s and --scrape-interval-s must be positive")
+    if min(args.dns_refresh_s, args.scrape_interval_s, args.hold_timeout_s) <= 0 or args.hold_max_waiting < 1:
+        LOG.error(
+            "--dns-refresh-s, --scrape-interval-s, --hold-timeout-s and --hold-max-waiting must be positive"
+        )
         return 2
-    asyncio.run(_serve(args))
+    waker = None
+    if args.wake is not None:
+        try:
+            waker = ApiWaker(
+                args.wake, server=args.kube_server, token_file=args.kube_token_file, ca_file=args.kube_ca_file
+            )
+        except ValueError as exc:
+            LOG.error(f"--wake: {exc}")
+            return 2
+    asyncio.run(_serve(args, waker))
     return 0
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, waker: ApiWaker | None) -> None:
     dns = None
     if args.backends_dns is not None:
         host, port = args.backends_dns
@@ -195,13 +273,19 @@ async def _serve(args: argparse.Namespace) -> None:
         logger=LOG,
         policy=args.policy,
         scrape_interval_s=args.scrape_interval_s,
+        hold=ColdStartHold(
+            waker, max_waiting=args.hold_max_waiting, timeout_s=args.hold_timeout_s, logger=LOG
+        ),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     url = await router.start()
-    LOG.info(f"kvpilot router listening on {url} (policy {args.policy}; backends: {router.backends()})")
+    wakes = f"; wakes {args.wake} from zero" if waker is not None else ""
+    LOG.info(
+        f"kvpilot router listening on {url} (policy {args.policy}; backends: {router.backends()}{wakes})"
+    )
     try:
         await stop.wait()
     finally:

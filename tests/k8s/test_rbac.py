@@ -4,14 +4,18 @@ verb taken from its ClusterRole it fails in a way its log and a condition name."
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import subprocess
+import time
 
 import pytest
 import yaml
 
 from kvpilot.operator.api import names
+from kvpilot.operator.api.timefmt import parse_time
+from kvpilot.operator.router.wake import ApiWaker, WakeError
 from tests.k8s.cluster import Cluster
 from tests.k8s.test_control_plane import NS, isvc
 from tests.operator.conftest import CHART, OperatorProcess, find_tool, wait_for
@@ -125,3 +129,64 @@ def test_a_missing_verb_is_named_in_the_log_and_a_condition(
     )
     cluster.kubectl("get", "-n", NS, "deployment/refused")
     assert names.FIELD_MANAGER in json.dumps(get(cluster, "deployment/refused")["metadata"]["managedFields"])
+
+
+def test_the_router_may_wake_its_service_and_nothing_else(
+    cluster: Cluster, operator: OperatorProcess, tmp_path
+):
+    """spec.router.frontDoor with limits.minReplicas 0: the operator, under the chart's RBAC, grants the
+    router's ServiceAccount get and patch on its own InferenceService (RBAC lets it grant no more than
+    it holds); a token of that account stamps wake-requested-at there and is refused on a neighbour.
+    Without scale to zero the grant goes and the router pod mounts no token."""
+    sleepy = isvc("sleepy")
+    sleepy["spec"]["router"] = {"frontDoor": {}}
+    sleepy["spec"]["remediation"] = {"limits": {"minReplicas": 0}}
+    for body in (sleepy, isvc("neighbour")):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    router = cluster.wait_exists(NS, "deployment/sleepy-router")
+    pod = router["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--wake") + 1] == f"{NS}/sleepy", args
+    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("sleepy-router", True)
+    role = cluster.wait_exists(NS, "role/sleepy-router")
+    assert role["rules"] == [
+        {
+            "apiGroups": [names.GROUP],
+            "resources": [names.PLURAL],
+            "resourceNames": ["sleepy"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    cluster.wait_exists(NS, "rolebinding/sleepy-router")
+    token = cluster.kubectl("create", "token", "sleepy-router", "-n", NS, "--duration=1h").stdout.strip()
+    (tmp_path / "token").write_text(token)
+
+    def wake(name: str) -> None:
+        waker = ApiWaker(
+            f"{NS}/{name}", server=cluster.server, token_file=tmp_path / "token", ca_file=cluster.ca
+        )
+        asyncio.run(waker())
+
+    wake("sleepy")
+    stamp = get(cluster, "inferenceservice/sleepy")["metadata"]["annotations"][names.ANNOTATION_WAKE]
+    assert abs(parse_time(stamp) - time.time()) < 120, stamp
+    with pytest.raises(WakeError, match="403"):
+        wake("neighbour")
+    assert names.ANNOTATION_WAKE not in (
+        get(cluster, "inferenceservice/neighbour")["metadata"].get("annotations") or {}
+    )
+    granting = [
+        e for e in cluster.audit(SA_USER) if (e.get("objectRef") or {}).get("name") == "sleepy-router"
+    ]
+    assert {e["objectRef"]["resource"] for e in granting} >= {"serviceaccounts", "roles", "rolebindings"}
+    refused = [e["objectRef"] for e in granting if e.get("responseStatus", {}).get("code") == 403]
+    assert refused == [], refused
+
+    # Scale to zero no longer allowed: the grant goes, the router keeps no token.
+    patch = {"spec": {"remediation": {"limits": {"minReplicas": 1}}}}
+    cluster.kubectl("patch", "-n", NS, f"{names.PLURAL}/sleepy", "--type=merge", "-p", json.dumps(patch))
+    wait_for(lambda: cluster.get(NS, "role/sleepy-router") is None, 60, "the Role deleted")
+    for what in ("rolebinding/sleepy-router", "serviceaccount/sleepy-router"):
+        wait_for(lambda what=what: cluster.get(NS, what) is None, 60, f"{what} deleted")
+    pod = cluster.get(NS, "deployment/sleepy-router")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and "--wake" not in pod["containers"][0]["args"]

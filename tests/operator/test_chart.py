@@ -129,8 +129,17 @@ def test_rules_never_grant_wildcards_or_list_secrets():
     deleting = [rule for rule in operator_role["rules"] if "delete" in rule["verbs"]]
     assert {resource for rule in deleting for resource in rule["resources"]} == {
         "deployments", "services", "inferencepools", "httproutes", "horizontalpodautoscalers",
-        "scaledobjects",
+        "scaledobjects", "serviceaccounts", "roles", "rolebindings",
     }  # fmt: skip
+    # RBAC objects only for the router's wake right: no ClusterRoles, no bindings to ClusterRoles.
+    rbac = [rule for rule in operator_role["rules"] if "rbac.authorization.k8s.io" in rule["apiGroups"]]
+    assert rbac == [
+        {
+            "apiGroups": ["rbac.authorization.k8s.io"],
+            "resources": ["roles", "rolebindings"],
+            "verbs": ["get", "create", "patch", "delete"],
+        }
+    ]
 
 
 @pytest.mark.parametrize(

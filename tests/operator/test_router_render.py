@@ -133,6 +133,49 @@ def test_front_door_runs_kvpilot_router_over_a_headless_service(make_isvc):
     assert service["spec"]["ports"][0]["port"] == 8000
 
 
+def test_with_scale_to_zero_the_router_may_wake_its_service_alone(make_isvc):
+    children = children_of(make_isvc(router={"frontDoor": {}}, remediation={"limits": {"minReplicas": 0}}))
+    pod = children[("Deployment", "llama-router")]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[-2:] == ["--wake", "llm/llama"]
+    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("llama-router", True)
+    account = children[("ServiceAccount", "llama-router")]
+    assert account["automountServiceAccountToken"] is False  # only the router pod mounts its token
+    (rule,) = children[("Role", "llama-router")]["rules"]
+    assert rule == {
+        "apiGroups": [names.GROUP],
+        "resources": [names.PLURAL],
+        "resourceNames": ["llama"],
+        "verbs": ["get", "patch"],
+    }
+    binding = children[("RoleBinding", "llama-router")]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "llama-router",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "llm"}]
+    for key in (
+        ("ServiceAccount", "llama-router"),
+        ("Role", "llama-router"),
+        ("RoleBinding", "llama-router"),
+    ):
+        assert children[key]["metadata"]["ownerReferences"][0]["kind"] == names.KIND
+    # Without scale to zero, or with an autoscaler owning replicas: no grant, no token, no --wake.
+    for spec in (
+        {"router": {"frontDoor": {}}},
+        {
+            "router": {"frontDoor": {}},
+            "remediation": {"limits": {"minReplicas": 0}},
+            "autoscaling": {"hpa": {"maxReplicas": 4}},
+        },
+    ):
+        children = children_of(make_isvc(**copy.deepcopy(spec)))
+        pod = children[("Deployment", "llama-router")]["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False and "--wake" not in pod["containers"][0]["args"]
+        assert not {k for k in children if k[0] in ("ServiceAccount", "Role", "RoleBinding")}
+
+
 def test_front_door_image_port_and_replicas_are_the_users(make_isvc):
     door = {"replicas": 3, "port": 9000, "image": "registry.example.com/kvpilot/operator:1"}
     children = children_of(make_isvc(router={"frontDoor": door}))
@@ -155,10 +198,15 @@ def test_nothing_extra_without_spec_router_and_every_optional_child_is_prunable(
     full = resolve(
         make_isvc(router={**copy.deepcopy(POOL), "frontDoor": {}}, autoscaling={"hpa": {"maxReplicas": 4}})
     )
+    woken = resolve(make_isvc(router={"frontDoor": {}}, remediation={"limits": {"minReplicas": 0}}))
+    woken_extra = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in build_children(woken)}
+    assert {kind for _, kind, _ in woken_extra} >= {"ServiceAccount", "Role", "RoleBinding"}
     extra = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in build_children(full)} - {
         (c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in build_children(plain)
     }
     assert extra <= set(unwanted_children(plain, build_children(plain)))
+    woken_extra -= {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in build_children(plain)}
+    assert woken_extra <= set(unwanted_children(plain, build_children(plain)))
     # ...and nothing the full spec wants is.
     assert not extra & set(unwanted_children(full, build_children(full)))
 

@@ -107,6 +107,15 @@ Nothing is deleted by the operator: children go away with their InferenceService
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
   verbs: [get, create, patch, delete]
+{{- /* The router's right to wake its InferenceService from zero (spec.router.frontDoor with
+limits.minReplicas 0): a ServiceAccount and a Role granting get and patch on that one
+InferenceService, which the operator holds itself (RBAC allows granting no more than one holds). */}}
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch, delete]
 {{- if .Values.rbac.serviceMonitors }}
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
