@@ -4,7 +4,9 @@ Reads the InferenceService (the settings in force, the remediation limits) and a
 Lines of scrapes, as ``kvpilot operator --record`` writes them and ``kvpilot replay`` reads them),
 fits the step-time model, rebuilds the workload, simulates the settings in force and a small grid
 of candidates, and prints one row per candidate; the cheapest one without sustained preemption is
-marked ``*``. ``--json PATH`` writes everything as JSON too. Needs no cluster, no model and no torch.
+marked ``*``. ``--json PATH`` writes everything as JSON too, ``--plot PATH`` a PNG of predicted vs
+recorded for the settings in force and of the candidates' cost against their predicted preemption
+(``plan.plot``; skipped, with a line saying so, without matplotlib). Needs no cluster, no model and no torch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvpilot.operator.plan.candidates import (
     pick,
     run_plan,
 )
-from kvpilot.operator.plan.recording import RecordingError, read_recording
+from kvpilot.operator.plan.recording import PlanScrape, RecordingError, read_recording
 from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError, fit_step_time
 from kvpilot.operator.plan.workload import Workload, with_trace, workload_from_scrapes
 
@@ -62,6 +64,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--recording", required=True, metavar="SAMPLES", help="recorded scrapes (JSON Lines, .gz allowed)"
     )
     plan.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON to PATH")
+    plan.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="also draw a PNG to PATH: predicted vs recorded for the settings in force, and each "
+        "candidate's GPUs against its predicted preemption rate (needs matplotlib: the demo extra)",
+    )
     plan.add_argument("--seed", type=int, default=0, help="seed of the arrival times and lengths drawn")
     plan.add_argument(
         "--open-loop",
@@ -243,4 +252,50 @@ def run_plan_command(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"error: cannot write {args.json}: {exc}", file=sys.stderr)
             return 1
+    if args.plot:
+        return _write_plot(args.plot, isvc, scrapes, workload, ctx, results, chosen)
+    return 0
+
+
+def _write_plot(
+    path: str,
+    isvc: dict[str, Any],
+    scrapes: list[PlanScrape],
+    workload: Workload,
+    ctx: PlanContext,
+    results: list[CandidateResult],
+    chosen: CandidateResult | None,
+) -> int:
+    """``--plot``: 0 with one line on stdout saying what was drawn (or, without matplotlib, one line
+    on stderr saying the plot was skipped), 1 with one error line when the file cannot be written."""
+    from kvpilot.operator.plan import plot
+
+    meta = isvc.get("metadata") or {}
+    title = f"kvpilot plan: {meta.get('namespace') or 'default'}/{meta.get('name')}"
+    try:
+        summary = plot.write_plan_plot(
+            path,
+            scrapes,
+            results,
+            chosen,
+            ctx.current,
+            ctx.preemption_rate,
+            ctx.window_s,
+            workload.num_pods,
+            title=title,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot write {path}: {exc}", file=sys.stderr)
+        return 1
+    if summary is None:
+        print(
+            f"note: plot skipped, {path} not written: matplotlib is not installed "
+            "(pip install 'kvpilot[demo]')",
+            file=sys.stderr,
+        )
+        return 0
+    print(
+        f"plot: {path} ({summary['num_windows']} windows predicted vs recorded, "
+        f"{summary['num_points']} candidates)"
+    )
     return 0

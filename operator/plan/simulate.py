@@ -198,19 +198,22 @@ class SimulatedEngine:
 @dataclasses.dataclass(frozen=True)
 class Sample:
     """The engine's gauges at the end of one step (simulated seconds from the start), and the
-    preemptions counted so far. ``num_waiting`` is the queue: waiting and swapped requests."""
+    preemptions and output tokens counted so far. ``num_waiting`` is the queue: waiting and swapped
+    requests."""
 
     time: float
     kv_usage: float
     num_waiting: int
     num_running: int
     num_preemptions: int
+    num_output_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class SimResult:
     """One run's predictions. Latencies in seconds; rates per simulated second over ``duration_s``
-    (first arrival to the last step's end)."""
+    (first arrival to the last step's end). ``start_s``: the first arrival's time on the arrivals'
+    clock, where the samples' time 0 lies."""
 
     duration_s: float
     num_steps: int
@@ -222,6 +225,7 @@ class SimResult:
     ttft_s: tuple[float, ...]
     itl_s: tuple[float, ...]
     truncated: bool  # the run stopped at ``max_sim_s`` with requests still unfinished
+    start_s: float = 0.0
 
     @property
     def preemptions_per_s(self) -> float:
@@ -392,6 +396,7 @@ def simulate(
                 len(sched.waiting) + len(sched.swapped),
                 len(sched.running),
                 sched.num_preemptions_total,
+                num_output_tokens,
             )
         )
     return SimResult(
@@ -405,4 +410,5 @@ def simulate(
         ttft_s=tuple(ttft),
         itl_s=tuple(itl),
         truncated=truncated,
+        start_s=start,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,95 @@ def test_near_the_threshold_the_clients_concurrency_keeps_the_prediction_close()
     # A little more memory ends it.
     more = dataclasses.replace(closed.current, gpu_memory_utilization=0.725)
     assert evaluate(more, closed, workload, step_time).result.num_preemptions == 0
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_shows_predicted_vs_recorded_and_the_candidates(tmp_path, capsys, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from kvpilot.operator.plan import plot
+
+    summaries = []
+    draw = plot.write_plan_plot
+
+    def recorded(*args, **kwargs):
+        summaries.append(draw(*args, **kwargs))
+        return summaries[-1]
+
+    monkeypatch.setattr(plot, "write_plan_plot", recorded)
+    # A small grid with a way out: memory up to 0.95, two replicas at most, the batch limits kept.
+    doc = isvc(
+        {
+            "maxGpuMemoryUtilization": 0.95,
+            "maxReplicas": 2,
+            "minMaxNumSeqs": 32,
+            "minMaxNumBatchedTokens": 8192,
+        }
+    )
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    rc = main(
+        [
+            "plan",
+            "-f",
+            str(_manifest(tmp_path, doc)),
+            "--recording",
+            str(FIXTURE),
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+            "--no-progress",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+    plan = json.loads(out_json.read_text())
+    rows = plan["candidates"]
+    (summary,) = summaries
+    assert len(summary["panels"]) == 2
+    assert summary["panels"][0] == "predicted vs recorded, settings in force"
+    assert summary["panels"][1].startswith("candidates: cost vs predicted preemption")
+    # One point per simulated candidate; the settings in force and the pick labelled.
+    assert summary["num_points"] == len(rows) == 5 and summary["skipped"] == []
+    chosen = rows[plan["pick"]]["label"]
+    assert summary["in_force"] == "in force" and summary["chosen"] == chosen
+    assert summary["labels"] == ["in force", f"pick: {chosen}"]
+    # The windows cover the recording (52 s of ~1 s scrapes) and add up to what each side counted.
+    assert summary["num_windows"] >= 40
+    assert summary["preemptions"]["recorded"] == pytest.approx(plan["workload"]["recorded_preemptions"])
+    assert summary["preemptions"]["predicted"] == pytest.approx(rows[0]["per_replica"]["num_preemptions"])
+    # The storm starts in the same window or the next, recorded and predicted.
+    storm = plan["threshold"]["preemption_rate"]
+    first = [
+        next(i for i, r in enumerate(summary[key]) if r > storm)
+        for key in ("recorded_per_s", "predicted_per_s")
+    ]
+    assert abs(first[0] - first[1]) <= 1 and summary["windows_s"][first[0]] > 5
+    assert f"plot: {out_png} ({summary['num_windows']} windows predicted vs recorded, 5 candidates)" in (
+        captured.out
+    )
+
+
+def test_plot_without_matplotlib_is_skipped_with_one_line(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    doc = isvc({"maxGpuMemoryUtilization": 0.5, "maxReplicas": 1, "minMaxNumSeqs": 32})
+    out_png = tmp_path / "plan.png"
+    rc = main(
+        [
+            "plan",
+            "-f",
+            str(_manifest(tmp_path, doc)),
+            "--recording",
+            str(FIXTURE),
+            "--plot",
+            str(out_png),
+            "--no-progress",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0 and not out_png.exists()
+    assert "in force" in captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "plot skipped" in lines[0] and "matplotlib is not installed" in lines[0]
