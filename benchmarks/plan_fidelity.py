@@ -172,12 +172,19 @@ def histogram_quantile(before: dict[float, float], after: dict[float, float], q:
 
 
 def measured_from_lines(lines: list[dict[str, Any]], duration_s: float | None = None) -> dict[str, Any]:
-    """What the scrapes show: rates over ``duration_s`` (default: first to last scrape), the worst
-    ``WINDOW_S`` preemption rate, TTFT p99 from the histogram, the pool."""
+    """What the scrapes show: rates over ``duration_s`` (default: the active span, from the last scrape
+    before output tokens first grew to the first one after they last did, as the plan's rates run from
+    the first arrival to the last step), the worst ``WINDOW_S`` preemption rate, TTFT p99 from the
+    histogram, the pool."""
     parsed = [(line["time"], *samples_of(line["metrics"])) for line in lines if line.get("metrics")]
     t0, v0, b0, _ = parsed[0]
     t1, v1, b1, info = parsed[-1]
-    duration = duration_s if duration_s is not None else t1 - t0
+    if duration_s is None:
+        tokens = [v.get(m.GENERATION_TOKENS_TOTAL, 0.0) for _, v, _, _ in parsed]
+        grew = [i for i in range(1, len(tokens)) if tokens[i] > tokens[i - 1]]
+        first, last = (grew[0] - 1, grew[-1]) if grew else (0, len(parsed) - 1)
+        duration_s = parsed[last][0] - parsed[first][0]
+    duration = duration_s
     preempt = [(t, v.get(m.NUM_PREEMPTIONS_TOTAL, 0.0)) for t, v, _, _ in parsed]
     worst = 0.0
     for i, (t, p) in enumerate(preempt):
