@@ -12,8 +12,9 @@ policy reads another's prompts from the replicas' prefix caches.
 Per policy: TTFT p50/p99 (request sent -> first content chunk), the prefix-cache hit rate (the
 increase over all replicas of ``vllm:prefix_cache_hits_total`` over that of
 ``vllm:prefix_cache_queries_total``), output tokens/s over the policy's wall time, and the door's
-picks by reason. Prints a table (the CPU's ISA line first) and writes
-``benchmarks/results/routing.json``.
+picks by reason. ``--rounds`` repeats every policy (in a rotated order, on a fresh draw each time);
+the table shows each number's median over the rounds. Prints a table (the CPU's ISA line first) and
+writes ``benchmarks/results/routing.json``.
 
     cd /tmp && python /path/to/benchmarks/routing.py --replicas 4 --requests 96
 """
@@ -29,6 +30,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -201,6 +203,21 @@ async def run_policy(policy: str, urls: list[str], args, seed: int) -> dict:
     }
 
 
+def summarize(policy: str, runs: list[dict]) -> dict:
+    """One policy's row: the median over its rounds of each number, failures summed, picks and
+    requests served summed over the rounds."""
+    row: dict = {"policy": policy, "rounds": len(runs), "failed": sum(r["failed"] for r in runs)}
+    for key in ("ttft_p50_ms", "ttft_p99_ms", "prefix_cache_hit_rate", "output_tokens_per_s", "duration_s"):
+        row[key] = statistics.median(r[key] for r in runs)
+    for key in ("served", "picks"):
+        total: dict[str, int] = {}
+        for run in runs:
+            for name, count in run[key].items():
+                total[name] = total.get(name, 0) + count
+        row[key] = total
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=4, help="engine replicas (2-4)")
@@ -215,6 +232,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every policy; the table shows medians")
     ap.add_argument("--out", type=Path, default=RESULTS / "routing.json")
     args = ap.parse_args()
     from kvpilot.kernels import isa
@@ -229,10 +247,24 @@ def main() -> None:
         replicas = [Replica(model, Path(tmp) / f"replica-{i}.log", args) for i in range(args.replicas)]
         try:
             urls = [r.wait_ready().url for r in replicas]
-            rows = [
-                asyncio.run(run_policy(policy, urls, args, seed=args.seed * 100 + k))
-                for k, policy in enumerate(args.policies.split(","))
-            ]
+            policies = args.policies.split(",")
+            runs: list[dict] = []
+            for round_ in range(args.rounds):
+                # Each round runs every policy, in an order rotated per round (no policy always first
+                # on a cold box), each on its own draw of prompts.
+                order = policies[round_ % len(policies) :] + policies[: round_ % len(policies)]
+                for policy in order:
+                    seed = args.seed * 1000 + round_ * 10 + policies.index(policy)
+                    run = asyncio.run(run_policy(policy, urls, args, seed=seed))
+                    run["round"] = round_
+                    runs.append(run)
+                    print(
+                        f"  round {round_} {policy:<15} TTFT p50 {run['ttft_p50_ms']:7.1f} ms  "
+                        f"p99 {run['ttft_p99_ms']:7.1f} ms  hits {run['prefix_cache_hit_rate']:6.1%}  "
+                        f"{run['output_tokens_per_s']:6.1f} tok/s",
+                        flush=True,
+                    )
+            rows = [summarize(policy, [r for r in runs if r["policy"] == policy]) for policy in policies]
         finally:
             for replica in replicas:
                 replica.stop()
@@ -240,6 +272,7 @@ def main() -> None:
         f"{args.requests} requests ({args.burst} in a burst), {args.shared_fraction:.0%} on 8 shared system"
     )
     print(f"prompts of {args.system_chars} chars, {args.output_len} output tokens each")
+    print(f"medians over {args.rounds} round(s):")
     print("policy          | TTFT p50 ms | TTFT p99 ms | prefix hit rate | output tok/s | failed | served")
     for row in rows:
         print(
@@ -250,7 +283,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.out.write_text(
-        json.dumps({"isa": isa.describe(), "machine": machine, "config": config, "rows": rows}, indent=1)
+        json.dumps(
+            {"isa": isa.describe(), "machine": machine, "config": config, "rows": rows, "runs": runs}, indent=1
+        )
         + "\n"
     )
     print(f"wrote {args.out}")

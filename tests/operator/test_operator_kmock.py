@@ -548,7 +548,28 @@ def test_router_and_autoscaling_children_come_change_and_go(api, operator):
     api.merge_patch(isvc_path("routed"), {"spec": {"autoscaling": {"hpa": {"maxReplicas": 6}}}})
     wait_for(lambda: api.get(group_paths["HorizontalPodAutoscaler"])["spec"]["maxReplicas"] == 6, what="HPA")
 
-    api.merge_patch(isvc_path("routed"), {"spec": {"router": None, "autoscaling": None}})
+    # Scale to zero under the front door, replicas the operator's: the router's grant to wake the
+    # service comes, and goes when zero is no longer allowed.
+    api.merge_patch(isvc_path("routed"), {"spec": {"autoscaling": None}})
+    wait_for(lambda: api.get(group_paths["HorizontalPodAutoscaler"]) is None, what="HPA deleted")
+    grant_paths = [
+        f"/api/v1/namespaces/{NS}/serviceaccounts/routed-router",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/routed-router",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings/routed-router",
+    ]
+    limits = lambda n: {"spec": {"remediation": {"limits": {"minReplicas": n}}}}  # noqa: E731
+    api.merge_patch(isvc_path("routed"), limits(0))
+    for path in grant_paths:
+        wait_for(lambda path=path: api.get(path), what=f"{path} created")
+    role = api.get(grant_paths[1])
+    assert role["rules"][0]["resourceNames"] == ["routed"] and role["rules"][0]["verbs"] == ["get", "patch"]
+    router_pod = api.get(child_path("Deployment", "routed-router"))["spec"]["template"]["spec"]
+    assert router_pod["serviceAccountName"] == "routed-router"
+    api.merge_patch(isvc_path("routed"), limits(1))
+    for path in grant_paths:
+        wait_for(lambda path=path: api.get(path) is None, what=f"{path} deleted")
+
+    api.merge_patch(isvc_path("routed"), {"spec": {"router": None}})
     for path in [*group_paths.values(), child_path("Deployment", "routed-epp")]:
         wait_for(lambda path=path: api.get(path) is None, what=f"{path} deleted")
     engine = child_path("Deployment", "routed")
