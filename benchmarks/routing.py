@@ -6,14 +6,16 @@ process once per policy (``round_robin``, ``least_in_flight``, ``score``). The w
 ``--shared-fraction`` of the requests (70 %) open with one of 8 system prompts of ``--system-chars``
 characters (several KV blocks), the rest with a system prompt of their own; each asks a short question
 and streams exactly ``--output-len`` tokens. Requests arrive as a Poisson stream at ``--rate`` per
-second, then ``--burst`` arrive at once. Each policy gets its own draw of prompts (same shapes), so no
-policy reads another's prompts from the replicas' prefix caches.
+second, then ``--burst`` arrive at once. Within a round every policy gets the same arrivals and the
+same pattern of shared prompts, in words of its own, so no policy reads another's prompts from the
+replicas' prefix caches.
 
 Per policy: TTFT p50/p99 (request sent -> first content chunk), the prefix-cache hit rate (the
 increase over all replicas of ``vllm:prefix_cache_hits_total`` over that of
 ``vllm:prefix_cache_queries_total``), output tokens/s over the policy's wall time, and the door's
-picks by reason. ``--rounds`` repeats every policy (in a rotated order, on a fresh draw each time);
-the table shows each number's median over the rounds. Prints a table (the CPU's ISA line first) and
+picks by reason. ``--rounds`` repeats every policy (in a rotated order, on new arrivals each round);
+the table shows each number's median over the rounds, and the TTFT p99 over every request of every
+round (pooled). Prints a table (the CPU's ISA line first) and
 writes ``benchmarks/results/routing.json``.
 
     cd /tmp && python /path/to/benchmarks/routing.py --replicas 4 --requests 96
@@ -68,20 +70,23 @@ def text_of(rng: random.Random, chars: int) -> str:
     return " ".join(words)[:chars]
 
 
-def make_workload(args, seed: int) -> list[tuple[float, list[dict]]]:
-    """(arrival offset in s, chat messages) per request: a Poisson stream, then a burst at once."""
-    rng = random.Random(seed)
-    shared = [f"System {k}. " + text_of(rng, args.system_chars) for k in range(NUM_SHARED_PROMPTS)]
+def make_workload(args, shape_seed: int, text_seed: int) -> list[tuple[float, list[dict]]]:
+    """(arrival offset in s, chat messages) per request: a Poisson stream, then a burst at once.
+
+    ``shape_seed`` draws the arrivals and which requests open with which shared prompt (the same for
+    every policy in a round: the same offered load); ``text_seed`` draws the words (a policy's own, so
+    that no policy finds another's prompts in the replicas' prefix caches)."""
+    shape, words = random.Random(shape_seed), random.Random(text_seed)
+    shared = [f"System {k}. " + text_of(words, args.system_chars) for k in range(NUM_SHARED_PROMPTS)]
     requests, at = [], 0.0
     for i in range(args.requests):
         if i < args.requests - args.burst:
-            at += rng.expovariate(args.rate)
+            at += shape.expovariate(args.rate)
         elif i == args.requests - args.burst:
             at += 1.0
-        system = (
-            rng.choice(shared) if rng.random() < args.shared_fraction else text_of(rng, args.system_chars)
-        )
-        question = f"Question {i}: " + text_of(rng, 80)
+        pick = shape.randrange(NUM_SHARED_PROMPTS) if shape.random() < args.shared_fraction else None
+        system = shared[pick] if pick is not None else text_of(words, args.system_chars)
+        question = f"Question {i}: " + text_of(words, 80)
         requests.append((at, [{"role": "system", "content": system}, {"role": "user", "content": question}]))
     return requests
 
@@ -165,12 +170,12 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict],
     return ttft, tokens
 
 
-async def run_policy(policy: str, urls: list[str], args, seed: int) -> dict:
+async def run_policy(policy: str, urls: list[str], args, shape_seed: int, text_seed: int) -> dict:
     from kvpilot.operator.local.frontdoor import FrontDoor
 
     door = FrontDoor(lambda: urls, dict, port=0, logger=logging.getLogger("bench.door"), policy=policy)
     await door.start()
-    workload = make_workload(args, seed)
+    workload = make_workload(args, shape_seed, text_seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await asyncio.sleep(0.5)  # the scorer's first scrapes
@@ -196,6 +201,7 @@ async def run_policy(policy: str, urls: list[str], args, seed: int) -> dict:
         "duration_s": duration,
         "ttft_p50_ms": percentile(ttfts, 50),
         "ttft_p99_ms": percentile(ttfts, 99),
+        "ttfts_ms": ttfts,
         "prefix_cache_hit_rate": (hits1 - hits0) / queries if queries else math.nan,
         "output_tokens_per_s": tokens / duration,
         "served": {f"replica{urls.index(u)}": n for u, n in door.served.items()},
@@ -209,6 +215,10 @@ def summarize(policy: str, runs: list[dict]) -> dict:
     row: dict = {"policy": policy, "rounds": len(runs), "failed": sum(r["failed"] for r in runs)}
     for key in ("ttft_p50_ms", "ttft_p99_ms", "prefix_cache_hit_rate", "output_tokens_per_s", "duration_s"):
         row[key] = statistics.median(r[key] for r in runs)
+    # The tail over every request of every round: a p99 over one round's few requests is its maximum.
+    pooled = [t for r in runs for t in r["ttfts_ms"]]
+    row["pooled_ttft_p50_ms"] = percentile(pooled, 50)
+    row["pooled_ttft_p99_ms"] = percentile(pooled, 99)
     for key in ("served", "picks"):
         total: dict[str, int] = {}
         for run in runs:
@@ -251,11 +261,12 @@ def main() -> None:
             runs: list[dict] = []
             for round_ in range(args.rounds):
                 # Each round runs every policy, in an order rotated per round (no policy always first
-                # on a cold box), each on its own draw of prompts.
+                # on a cold box), each on its own words.
                 order = policies[round_ % len(policies) :] + policies[: round_ % len(policies)]
                 for policy in order:
-                    seed = args.seed * 1000 + round_ * 10 + policies.index(policy)
-                    run = asyncio.run(run_policy(policy, urls, args, seed=seed))
+                    shape_seed = args.seed * 1000 + round_
+                    text_seed = shape_seed * 10 + policies.index(policy)
+                    run = asyncio.run(run_policy(policy, urls, args, shape_seed, text_seed))
                     run["round"] = round_
                     runs.append(run)
                     print(
@@ -273,10 +284,14 @@ def main() -> None:
     )
     print(f"prompts of {args.system_chars} chars, {args.output_len} output tokens each")
     print(f"medians over {args.rounds} round(s):")
-    print("policy          | TTFT p50 ms | TTFT p99 ms | prefix hit rate | output tok/s | failed | served")
+    print(
+        "policy          | TTFT p50 ms | TTFT p99 ms | pooled p99 ms | prefix hit rate | output tok/s "
+        "| failed | served"
+    )
     for row in rows:
         print(
             f"{row['policy']:<15} | {row['ttft_p50_ms']:11.1f} | {row['ttft_p99_ms']:11.1f} | "
+            f"{row['pooled_ttft_p99_ms']:13.1f} | "
             f"{row['prefix_cache_hit_rate']:15.1%} | {row['output_tokens_per_s']:12.1f} | "
             f"{row['failed']:6d} | {row['served']}"
         )
@@ -284,7 +299,8 @@ def main() -> None:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.out.write_text(
         json.dumps(
-            {"isa": isa.describe(), "machine": machine, "config": config, "rows": rows, "runs": runs}, indent=1
+            {"isa": isa.describe(), "machine": machine, "config": config, "rows": rows, "runs": runs},
+            indent=1,
         )
         + "\n"
     )
