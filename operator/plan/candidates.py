@@ -10,7 +10,8 @@ count -- small on purpose (one simulation per candidate), not an exhaustive sear
 Replicas: the recorded arrivals (service-wide) are dealt round-robin, and one replica -- the first,
 which gets the most when they do not divide evenly -- is simulated, its in-flight requests capped at
 its share of the clients' concurrency (``workload``); throughput is that replica's times the
-replica count.
+replica count. Where the recorded queue never emptied (``workload.Workload.saturated``) the requests
+are replayed closed-loop: all ready at the start, each sent as soon as the cap allows.
 
 "Sustained preemption" here: over some ``spec.remediation.window`` of the simulated run, a replica
 preempts at more than ``spec.remediation.preemptionRate`` per second (the policy's storm threshold).
@@ -87,6 +88,9 @@ class PlanContext:
     notes: tuple[str, ...] = ()
     # The clients' concurrency, service-wide (workload.peak_in_flight); None: open loop.
     client_concurrency: int | None = None
+    # The recorded queue never emptied (workload.saturated): requests are replayed closed-loop, each
+    # sent as soon as the client-concurrency cap allows, instead of at their recorded times.
+    closed_loop: bool = False
 
 
 def context_of(settings: Settings, workload: Workload, open_loop: bool = False) -> PlanContext:
@@ -137,6 +141,7 @@ def context_of(settings: Settings, workload: Workload, open_loop: bool = False) 
         limits=rem.limits,
         notes=tuple(notes),
         client_concurrency=None if open_loop else workload.peak_in_flight,
+        closed_loop=not open_loop and workload.peak_in_flight is not None and workload.saturated,
     )
 
 
@@ -250,6 +255,10 @@ def evaluate(
     cap = None
     if ctx.client_concurrency is not None:
         cap = max(1, -(-ctx.client_concurrency // candidate.replicas))  # this replica's share
+        if ctx.closed_loop and arrivals:
+            # Every request ready from the start, in the recorded order: the cap sends each one as
+            # soon as another finishes (the clients of a queue that never emptied).
+            arrivals = [dataclasses.replace(a, time=arrivals[0].time) for a in arrivals]
     try:
         result = simulate(
             settings, arrivals, step_time, max_sim_s=2 * max(workload.duration_s, 1.0), max_in_flight=cap

@@ -190,6 +190,7 @@ def plan_document(
             },
             "threshold": {"preemption_rate": ctx.preemption_rate, "window_s": ctx.window_s},
             "client_concurrency": ctx.client_concurrency,
+            "closed_loop": ctx.closed_loop,
             "notes": list(ctx.notes),
             "candidates": [r.as_dict(ctx.current) for r in results],
             "pick": None if chosen is None else results.index(chosen),
@@ -234,7 +235,14 @@ def run_plan_command(args: argparse.Namespace) -> int:
     )
     print(f"step time: {step_time.describe()}")
     if ctx.client_concurrency is not None:
-        print(f"clients: at most {ctx.client_concurrency} request(s) in flight (the recording's peak)")
+        replay = (
+            "; the queue never emptied: replayed closed-loop, each request sent as one finishes"
+            if ctx.closed_loop
+            else ""
+        )
+        print(
+            f"clients: at most {ctx.client_concurrency} request(s) in flight (the recording's peak){replay}"
+        )
     for note in ctx.notes:
         print(f"note: {note}")
     print(format_table(results, ctx.current, chosen))

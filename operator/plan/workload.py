@@ -23,6 +23,12 @@ the KV pool they ran on (torch-free).
   replica's in-flight requests at its share of it (``simulate(max_in_flight=...)``), so that a
   simulation running a little slower than the real engine does not pile up requests the real
   clients would never have sent -- the difference between a storm and none near the threshold.
+* **A queue that never emptied** (``saturated``: a request waiting at nearly every scrape). Then the
+  arrivals the recording shows are what the engine let through, not what the clients asked for:
+  closed-loop clients (or a backlog) send the next request as soon as one finishes. The plan then
+  replays the requests closed-loop at the peak concurrency, each sent as soon as the cap allows, so
+  that a faster candidate (a live relief lifted, a larger pool) is predicted under the load its
+  clients would really make, not the load the slower settings in force admitted.
 
 What it does not know: prompt contents (no shared prefixes are modelled, so prefix-cache hits are
 not predicted), per-request pairing of prompt and output lengths (drawn independently), and how
@@ -46,6 +52,7 @@ from kvpilot.operator.plan.step_time import StepWindow
 from kvpilot.operator.remediation.metrics import Histogram
 
 MIN_LENGTH_SAMPLES = 8
+SATURATED_FRACTION = 0.9  # of the scrapes with a request waiting: the queue never emptied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +200,9 @@ class Workload:
     # The most requests the pods held at once (running + waiting + swapped), summed over the pods'
     # peaks: what the clients kept in flight at most (None without the gauges).
     peak_in_flight: int | None = None
+    # A request waited at nearly every scrape (at least SATURATED_FRACTION of them): the recorded
+    # arrivals are what the engine admitted, not what the clients would have sent.
+    saturated: bool = False
     # The requests as a per-request trace recorded them (``kvpilot serve --request-trace``), used
     # instead of the histograms' distributions when given (``with_trace``).
     trace: tuple[Arrival, ...] | None = None
@@ -368,7 +378,14 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         num_pods=len(by_pod),
         num_preemptions=sum(i.counters.get(m.NUM_PREEMPTIONS_TOTAL, 0.0) for i in intervals),
         peak_in_flight=_peak_in_flight(scrapes),
+        saturated=_saturated(scrapes),
     )
+
+
+def _saturated(scrapes: Sequence[PlanScrape]) -> bool:
+    """Whether a request waited at (nearly) every scrape that reports the queue."""
+    queues = [s.gauges[m.NUM_REQUESTS_WAITING] for s in scrapes if m.NUM_REQUESTS_WAITING in s.gauges]
+    return bool(queues) and sum(q >= 1 for q in queues) >= SATURATED_FRACTION * len(queues)
 
 
 def _peak_in_flight(scrapes: Sequence[PlanScrape]) -> int | None:

@@ -3,6 +3,7 @@ the recorded vLLM storm."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -34,20 +35,21 @@ def _scrape(
     *,
     finished_per_s: int = 5,
     in_flight: int = 2,
+    waiting: int = 0,
     steps_per_s: int = 100,
     cache: bool = True,
     success: bool = True,
 ) -> str:
     """The k-th scrape (one a second) of an engine that finishes ``finished_per_s`` requests a second
-    (prompt 100, output 50 tokens), holds ``in_flight`` from the first second on (all running), and
-    runs ``steps_per_s`` steps of 8 tokens, each sampling 4 tokens."""
+    (prompt 100, output 50 tokens), holds ``in_flight`` from the first second on (``waiting`` of them
+    queued, the rest running), and runs ``steps_per_s`` steps of 8 tokens, each sampling 4 tokens."""
     finished = finished_per_s * k
-    running = in_flight if k else 0
+    running = in_flight - waiting if k else 0
     steps = steps_per_s * k
     lines = [
         "# TYPE vllm:num_requests_running gauge",
         f'vllm:num_requests_running{{model_name="m"}} {running}',
-        'vllm:num_requests_waiting{model_name="m"} 0',
+        f'vllm:num_requests_waiting{{model_name="m"}} {waiting if k else 0}',
         'vllm:kv_cache_usage_perc{model_name="m"} 0.5',
         f'vllm:num_preemptions_total{{model_name="m"}} {k}',
         f'vllm:request_success_total{{finished_reason="stop",model_name="m"}} {finished - finished // 5}',
@@ -102,6 +104,57 @@ def test_arrivals_lengths_and_pool_from_known_traffic(tmp_path) -> None:
     assert workload.arrivals(seed=1) == arrivals and workload.arrivals(seed=2) != arrivals
     assert workload.pool == KVPool(1000, 16, 0.5, False, True, 0)
     assert workload.peak_in_flight == 2
+
+
+@pytest.mark.parametrize(
+    ("queued_from", "saturated"),
+    [(1, True), (3, False), (11, False)],  # a queue at 20, 18 or 10 of the 21 scrapes
+)
+def test_a_queue_at_nearly_every_scrape_marks_the_recording_saturated(
+    tmp_path, queued_from, saturated
+) -> None:
+    bodies = [
+        (1000.0 + k, "pod-a", _scrape(k, in_flight=8, waiting=6 if k >= queued_from else 0))
+        for k in range(21)
+    ]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert workload.peak_in_flight == 8
+    assert workload.saturated is saturated
+
+
+def test_a_saturated_recording_is_replayed_closed_loop(tmp_path) -> None:
+    """Recorded under maxNumSeqs 2 with 8 clients (6 always queued): 5 requests a second is what the
+    engine let through. Lifting the cap to 8 is planned under the load the 8 clients make, each
+    sending its next request as one finishes -- faster than the recorded arrivals, and with all 8
+    running at once -- not at the recorded times."""
+    from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.plan.candidates import context_of, evaluate
+    from kvpilot.operator.plan.step_time import fit_step_time
+
+    bodies = [(1000.0 + k, "pod-a", _scrape(k, in_flight=8, waiting=6)) for k in range(21)]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    doc = {
+        "apiVersion": "serving.kvpilot.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
+        "spec": {
+            "model": {"source": "pvc://models/llm"},
+            "engine": {"gpuMemoryUtilization": 0.5, "maxNumSeqs": 2, "maxModelLen": 512, "blockSize": 16},
+        },
+    }
+    step_time = fit_step_time(workload.step_windows)
+    closed = context_of(resolve(doc), workload)
+    assert closed.closed_loop and closed.client_concurrency == 8
+    recorded_times = dataclasses.replace(closed, closed_loop=False)
+    lifted = dataclasses.replace(closed.current, max_num_seqs=8)
+    fast = evaluate(lifted, closed, workload, step_time).result
+    paced = evaluate(lifted, recorded_times, workload, step_time).result
+    assert fast.num_finished == paced.num_finished == workload.num_requests
+    assert max(s.num_running for s in fast.samples) == 8
+    # The recorded arrivals pace the replay at ~5 requests a second; closed-loop clients are not held
+    # to that pace.
+    assert paced.duration_s >= 0.9 * workload.duration_s
+    assert fast.duration_s < 0.75 * paced.duration_s
 
 
 def test_step_windows_from_busy_and_idle_intervals(tmp_path) -> None:
