@@ -7,12 +7,14 @@ tokens while the demo's load needs 8 x 7 = 56, each 0.01 of the fraction adding 
 ~0.09 above the starting fraction, so one 0.05 step of the remediation ladder (~40 blocks) leaves the
 storm on and a second (~60) ends it, while a plan can go there in one change. The limit
 (``maxGpuMemoryUtilization``) is 0.15 above the start, room for the plan's safety margin. A model whose
-weights take more than ~300 blocks cannot start that low (the fraction stays <= 0.85): each step then
-adds more, and one may be enough.
+weights take more than ~300 blocks cannot start that low (the fraction stays <= 0.85), so each step
+adds more blocks: the requests then run longer (up to 10 blocks, 144 generated tokens, so that two
+still fit the starting pool under a relief), the load fitting ~1.7 steps above the start.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -32,13 +34,18 @@ from kvpilot.operator.local.process import die_with_parent
 from kvpilot.operator.remediation.metrics import parse_scrape
 
 THRESHOLD = 1.0  # preemptions/s per replica that count as a storm
-SHAPE = {"maxModelLen": 128, "maxNumBatchedTokens": 256, "maxNumSeqs": 16, "enablePrefixCaching": False}
-BLOCKS_BEFORE = 20.5  # the starting pool (8 x 7 = 56 needed); two requests still fit under a relief
+SHAPE = {"maxModelLen": 256, "maxNumBatchedTokens": 256, "maxNumSeqs": 16, "enablePrefixCaching": False}
+BLOCKS_BEFORE = 20.5  # the starting pool; two requests still fit under a relief
 BLOCKS_PER_HUNDREDTH = 4  # blocks each 0.01 of the fraction adds: the load fits ~0.09 above the start
 MAX_START_FRACTION = 0.85
 LIMIT_ABOVE_START = 0.15  # maxGpuMemoryUtilization: three ladder rungs, or a plan with its margin
 LADDER_STEP = 0.05  # the remediation ladder's step of the memory fraction (policy.GPU_MEMORY_STEP)
-LOAD_BLOCKS = 8 * 7  # the demo's load at full length: 8 streams of 112 tokens in blocks of 16
+BLOCK_SIZE = 16
+CONCURRENCY = 8  # the demo's streaming clients
+PROMPT_LEN = 16  # tokens per prompt
+STREAM_BLOCKS = 7  # blocks a request holds at full length (112 tokens: 96 generated) ...
+RUNGS_TO_FIT = 1.7  # ... or more, so that the load fits this many ladder steps above the start
+STREAM_BLOCKS_MAX = int(BLOCKS_BEFORE // 2)  # two requests still fit the starting pool
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LISTEN_LINE = re.compile(r"listening on (http://\S+)")
 
@@ -134,7 +141,13 @@ def calibrate(model: Path, out: Path) -> dict[str, Any]:
         return int((round(value, 4) * budget - fixed) // bytes_per_block)
 
     rungs = [blocks_at(min(limit, fraction + k * LADDER_STEP)) for k in (1, 2)]
-    fits = next((k / 100 for k in range(1, 101) if blocks_at(fraction + k / 100) >= LOAD_BLOCKS), None)
+    # Where a step adds more blocks than the BLOCKS_PER_HUNDREDTH calibration gives (a fraction that
+    # starts at MAX_START_FRACTION), requests run longer, so that one step still leaves the storm on.
+    step_blocks = blocks_at(fraction + LADDER_STEP) - blocks_at(fraction)
+    stream_blocks = max(STREAM_BLOCKS, math.ceil((BLOCKS_BEFORE + RUNGS_TO_FIT * step_blocks) / CONCURRENCY))
+    stream_blocks = min(stream_blocks, STREAM_BLOCKS_MAX)
+    load_blocks = CONCURRENCY * stream_blocks
+    fits = next((k / 100 for k in range(1, 101) if blocks_at(fraction + k / 100) >= load_blocks), None)
     return {
         "budget": budget,
         "fraction": fraction,
@@ -142,7 +155,8 @@ def calibrate(model: Path, out: Path) -> dict[str, Any]:
         "bytes_per_block": bytes_per_block,
         "fixed_bytes": fixed,
         "expected_blocks": [blocks_at(fraction), *rungs],
-        "load_blocks": LOAD_BLOCKS,
+        "load_blocks": load_blocks,
+        "max_tokens": stream_blocks * BLOCK_SIZE - PROMPT_LEN,
         "fits_above_start": fits,
         "dtype": info["dtype"],
     }
@@ -187,7 +201,7 @@ def write_manifest(
                     "maxGpuMemoryUtilization": cal["max_fraction"],
                     "minReplicas": 1,
                     "maxReplicas": 1,
-                    # A relief may go down to what the pool holds (2 requests of 7 blocks in ~20).
+                    # A relief may go down to what the pool holds (2 requests of 7-10 blocks in ~20).
                     "minMaxNumSeqs": 1,
                     "minMaxNumBatchedTokens": 128,
                 },

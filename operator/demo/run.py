@@ -45,6 +45,8 @@ import aiohttp
 from kvpilot.operator.api import names
 from kvpilot.operator.api.timefmt import parse_time
 from kvpilot.operator.demo.prepare import (
+    CONCURRENCY,
+    PROMPT_LEN,
     THRESHOLD,
     calibrate,
     ensure_model,
@@ -65,8 +67,6 @@ from kvpilot.operator.demo.report import (
 from kvpilot.operator.remediation.decision import RELIEVE_MAX_NUM_SEQS
 from kvpilot.operator.remediation.metrics import parse_scrape
 
-CONCURRENCY = 8
-PROMPT_LEN, MAX_TOKENS = 16, 96  # 112 tokens = 7 blocks of 16 per request
 URL_LINE = re.compile(r"OpenAI API on (http://\S+)/v1")
 
 
@@ -97,8 +97,9 @@ def say(text: str = "") -> None:
 class Load:
     """CONCURRENCY streaming clients in a closed loop; every finished request becomes a Trip."""
 
-    def __init__(self, url: str, model_name: str, vocab: int, seed: int = 0) -> None:
+    def __init__(self, url: str, model_name: str, vocab: int, max_tokens: int, seed: int = 0) -> None:
         self.url = url
+        self.max_tokens = max_tokens
         self.model_name = model_name
         self.vocab = vocab
         self.rng = random.Random(seed)
@@ -117,7 +118,7 @@ class Load:
             body = {
                 "model": self.model_name,
                 "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
+                "max_tokens": self.max_tokens,
                 "ignore_eos": True,
                 "temperature": 0,
                 "stream": True,
@@ -254,11 +255,13 @@ def live_line(sample: Sample, t0: float, load: Load, window: list[Sample]) -> st
     )
 
 
-async def drive(url: str, model_name: str, vocab: int, scenario: Scenario) -> tuple[Monitor, Load, dict]:
+async def drive(
+    url: str, model_name: str, vocab: int, max_tokens: int, scenario: Scenario
+) -> tuple[Monitor, Load, dict]:
     """Load the platform until a remediation has run, no live relief is in force, every rollout is
     complete and the configuration served ``after_s``."""
     t0 = time.time()
-    load = Load(url, model_name, vocab)
+    load = Load(url, model_name, vocab, max_tokens)
     monitor = Monitor(url, t0)
     marks: dict[str, float] = {"load_start": t0}
     seen = 0
@@ -446,11 +449,11 @@ def run_once(
             time.sleep(0.5)
         say(
             f"replica ready ({time.time() - began:.0f}s since start); load: {CONCURRENCY} streaming clients, "
-            f"{PROMPT_LEN}-token prompts, {MAX_TOKENS} tokens each"
+            f"{PROMPT_LEN}-token prompts, {cal['max_tokens']} tokens each"
         )
         vocab = min(int(config.get("vocab_size", 1000)), 1000)
         name = isvc["spec"]["model"]["name"]
-        monitor, load, marks = asyncio.run(drive(url, name, vocab, scenario))
+        monitor, load, marks = asyncio.run(drive(url, name, vocab, cal["max_tokens"], scenario))
     except KeyboardInterrupt:
         say("\ninterrupted: stopping kvpilot up")
         stop_process(up, signal.SIGINT, 30)

@@ -79,8 +79,8 @@ def remediations(cluster: Cluster) -> list[dict]:
 class LoadThread:
     """The demo's load (8 streaming clients) on an event loop of its own; ``url`` can be re-pointed."""
 
-    def __init__(self, url: str, model_name: str, vocab: int) -> None:
-        self.load = Load(url, model_name, vocab)
+    def __init__(self, url: str, model_name: str, vocab: int, max_tokens: int) -> None:
+        self.load = Load(url, model_name, vocab, max_tokens)
         self.thread = threading.Thread(target=asyncio.run, args=(self.load.run(),), daemon=True)
 
     def point(self, url: str) -> None:
@@ -126,7 +126,7 @@ def test_a_storm_on_kwok_pods_is_remediated_and_an_oom_kill_reverts_it(
         assert first["status"]["podIP"].startswith("127.0.2."), first["status"]["podIP"]
 
         # 1. The storm, remediated by a rollout.
-        with LoadThread(first_url, isvc["spec"]["model"]["name"], vocab) as load:
+        with LoadThread(first_url, isvc["spec"]["model"]["name"], vocab, cal["max_tokens"]) as load:
             change = wait_for(
                 lambda: next((r for r in remediations(cluster) if r.get("lever") == RAISE), None),
                 240,
