@@ -19,9 +19,9 @@ Workloads:
   predicted vs recorded for the settings in force only (no other vLLM setting can be run here).
 
 Closed-loop clients send their next request when the previous one ends, so a faster setting gets
-more requests; the plan replays the recorded arrival times (capped at the recorded concurrency), so
-for the closed-loop workload a setting faster than the one in force is predicted at the recorded
-load, not the load its clients would make. Open-loop workloads are planned with ``open_loop``.
+more requests; the plan replays the recorded arrival times (capped at the recorded concurrency), or,
+where the recorded queue never emptied, every request as soon as the cap allows (closed-loop). Open-
+loop workloads are planned with ``open_loop``.
 
     python benchmarks/plan_fidelity.py            # ~8 minutes on 2 cores; JSON to results/plan_fidelity.json
     python benchmarks/plan_fidelity.py --quick    # shorter runs
@@ -379,6 +379,7 @@ def predict(doc: dict, recording: Path, candidates: list[Candidate], open_loop: 
         "step_time": step_time.describe(),
         "num_requests": workload.num_requests,
         "peak_in_flight": workload.peak_in_flight,
+        "closed_loop": ctx.closed_loop,
         "notes": list(ctx.notes),
         "current": ctx.current.as_dict(),
     }
