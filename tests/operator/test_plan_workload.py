@@ -151,10 +151,10 @@ def test_a_saturated_recording_is_replayed_closed_loop(tmp_path) -> None:
     paced = evaluate(lifted, recorded_times, workload, step_time).result
     assert fast.num_finished == paced.num_finished == workload.num_requests
     assert max(s.num_running for s in fast.samples) == 8
-    # The recorded arrivals pace the replay at ~5 requests a second; closed-loop clients are not held
-    # to that pace.
-    assert paced.duration_s >= 0.9 * workload.duration_s
-    assert fast.duration_s < 0.75 * paced.duration_s
+    # The recorded arrivals pace the replay at ~5 requests a second (the simulated run spans the
+    # recording); closed-loop clients are not held to that pace.
+    assert paced.num_finished / paced.duration_s <= 1.1 * workload.arrival_rate
+    assert fast.output_tokens_per_s > 1.33 * paced.output_tokens_per_s
 
 
 def test_step_windows_from_busy_and_idle_intervals(tmp_path) -> None:
