@@ -104,6 +104,14 @@ class RouterCollector:
         for url in known:
             in_flight.add_metric([url], router.in_flight[url])
         yield in_flight
+        prefill = GaugeMetricFamily(
+            PREFIX + "pending_prefill_blocks",
+            "Uncached prompt blocks sent to a backend whose answer has not begun",
+            labels=["backend"],
+        )
+        for url in known:
+            prefill.add_metric([url], router.pending_prefill[url])
+        yield prefill
         errors = CounterMetricFamily(
             PREFIX + "scrape_errors", "Failed reads of a backend's /metrics", labels=["backend"]
         )

@@ -61,6 +61,20 @@ POLICIES = (POLICY_SCORE, POLICY_LEAST_IN_FLIGHT, POLICY_ROUND_ROBIN)
 MAX_TRACKED_REPLICAS = 256
 
 
+class _PendingPrefill:
+    """A request's uncached prompt blocks, counted in ``pending`` against its replica from the send
+    until :meth:`done` (the answer's first output, or the end of the exchange)."""
+
+    def __init__(self, pending: Counter[str], url: str, blocks: int) -> None:
+        self.pending, self.url, self.blocks = pending, url, blocks
+        pending[url] += blocks
+
+    def done(self) -> None:
+        if self.blocks:
+            self.pending[self.url] -= self.blocks
+            self.blocks = 0
+
+
 def error_response(status: int, message: str, code: str) -> web.Response:
     """An OpenAI-shaped error; a 503 carries ``Retry-After: 1``."""
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
@@ -98,6 +112,8 @@ class BalancingProxy:
         self.prefix_config = prefix_config or PrefixConfig()
         self.prefixes = PrefixIndex(self.prefix_config)
         self.in_flight: Counter[str] = Counter()
+        # Uncached prompt blocks sent to each replica whose answer has not begun (prefill queued there).
+        self.pending_prefill: Counter[str] = Counter()
         self.served: Counter[str] = Counter()
         self.picks: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
@@ -188,7 +204,12 @@ class BalancingProxy:
         matched = self.prefixes.matches(hashes) if hashes else {}
         loads = self.scraper.loads
         return scoring.pick(
-            [scoring.Candidate(u, self.in_flight[u], loads.get(u), matched.get(u, 0)) for u in candidates],
+            [
+                scoring.Candidate(
+                    u, self.in_flight[u], loads.get(u), matched.get(u, 0), self.pending_prefill[u]
+                )
+                for u in candidates
+            ],
             now=now,
             prompt_blocks=len(hashes),
             turn=turn,
@@ -232,6 +253,7 @@ class BalancingProxy:
             url = chosen.url
             tried.add(url)
             self.in_flight[url] += 1
+            prefill = _PendingPrefill(self.pending_prefill, url, chosen.uncached_blocks)
             try:
                 try:
                     # Cancelled (the client left) while the replica works on a non-streamed answer,
@@ -247,8 +269,9 @@ class BalancingProxy:
                 self._count(url, chosen.reason)
                 if hashes:
                     self.prefixes.record(hashes, url)
-                return await self._relay(request, upstream)
+                return await self._relay(request, upstream, prefill.done)
             finally:
+                prefill.done()
                 self.in_flight[url] -= 1
 
     def _count(self, url: str, reason: str) -> None:
@@ -264,18 +287,26 @@ class BalancingProxy:
             self.prefixes.forget(gone)
             self._refused_at = {u: t for u, t in self._refused_at.items() if u in known}
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, first_output: Callable[[], None]
+    ) -> web.StreamResponse:
         try:
-            return await self._copy(request, upstream)
+            return await self._copy(request, upstream, first_output)
         except BaseException:
             upstream.close()  # not released to the pool: closing it is what tells the replica to abort
             raise
 
-    async def _copy(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _copy(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, first_output: Callable[[], None]
+    ) -> web.StreamResponse:
         async with upstream:
             headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
             await response.prepare(request)
+            # When the prefill is over: at the first byte of a whole answer; in an event stream at
+            # the second event (a chat stream opens with a role-only event sent before the prefill).
+            streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            events_to_output = 2 if streamed else 0
             chunks = upstream.content.iter_any()
             while True:
                 try:
@@ -288,6 +319,10 @@ class BalancingProxy:
                     if request.transport is not None:
                         request.transport.close()
                     return response
+                if events_to_output > 0:
+                    events_to_output -= chunk.count(b"data:")
+                if events_to_output <= 0:
+                    first_output()  # the prefill is over: its work no longer waits at the replica
                 try:
                     await response.write(chunk)
                 except ConnectionError:

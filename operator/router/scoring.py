@@ -5,7 +5,13 @@ Each candidate gets a cost in units of "one request running there":
 
     load    = max(in_flight, running + waiting + sent_since_scrape)
     cost    = load + (waiting_weight - 1) * waiting + kv_weight * kv_cache_usage
+              + prefill_weight * pending_prefill_blocks
               - prefix_weight * matched_blocks / prompt_blocks      (not when KV usage >= kv_overload)
+
+``pending_prefill_blocks``: the prompt blocks the door sent the replica that it did not hold (no
+prefix match) and that have not produced a first byte yet -- prefill work queued there, which a
+request count does not see: a burst of long uncached prompts is spread by the work each brings, and
+a prefix holder is not handed uncached prompts behind the ones it is already prefilling.
 
 ``sent_since_scrape`` (the door's in-flight count now minus at the scrape) keeps the engine's numbers
 fresh between scrapes. A candidate whose metrics are older than ``max_metrics_age_s`` (or missing) is
@@ -41,40 +47,47 @@ class EngineLoad:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A ready replica: its URL, the door's requests in flight to it now, its last scrape (None: none
-    yet) and how many leading blocks of this request's prompt it served before."""
+    yet), how many leading blocks of this request's prompt it served before, and the uncached prompt
+    blocks of requests sent to it that have no first byte back yet."""
 
     url: str
     in_flight: int = 0
     load: EngineLoad | None = None
     prefix_blocks: int = 0
+    pending_prefill_blocks: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class ScoringConfig:
     """Weights, in requests running: ``waiting_weight`` per queued request (a queue is worse than a
     busy batch), ``kv_weight`` for a full KV cache, ``prefix_weight`` for a whole-prompt prefix match
-    (the most extra load a prefix holder is given work at). ``kv_overload``: KV usage from which a
-    replica gets no prefix bonus. ``max_metrics_age_s``: older scrapes are ignored."""
+    (the most extra load a prefix holder is given work at), ``prefill_weight`` per prompt block of
+    prefill ahead (a block is 64 characters, ~16 tokens: 8 blocks, ~128 tokens of prefill, weigh as
+    one more request). ``kv_overload``: KV usage from which a replica gets no prefix bonus.
+    ``max_metrics_age_s``: older scrapes are ignored."""
 
     waiting_weight: float = 2.0
     kv_weight: float = 4.0
     prefix_weight: float = 4.0
+    prefill_weight: float = 0.125
     kv_overload: float = 0.95
     max_metrics_age_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("waiting_weight", "kv_weight", "prefix_weight", "max_metrics_age_s"):
+        for name in ("waiting_weight", "kv_weight", "prefix_weight", "prefill_weight", "max_metrics_age_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ScoringConfig.{name} must not be negative, not {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Pick:
-    """The chosen replica, why (``REASON_PREFIX`` / ``REASON_LOAD``) and every candidate's cost."""
+    """The chosen replica, why (``REASON_PREFIX`` / ``REASON_LOAD``), every candidate's cost, and the
+    prompt blocks the chosen one does not hold (its prefill work for this request)."""
 
     url: str
     reason: str
     costs: Mapping[str, float]
+    uncached_blocks: int = 0
 
 
 def fresh_load(candidate: Candidate, now: float, config: ScoringConfig) -> EngineLoad | None:
@@ -97,6 +110,16 @@ def load_cost(candidate: Candidate, now: float, config: ScoringConfig) -> float:
         + (config.waiting_weight - 1.0) * load.num_requests_waiting
         + config.kv_weight * load.kv_cache_usage
     )
+
+
+def uncached_blocks(candidate: Candidate, prompt_blocks: int) -> int:
+    """The prompt blocks the candidate would have to prefill (those past its prefix match)."""
+    return max(0, prompt_blocks - candidate.prefix_blocks)
+
+
+def prefill_cost(candidate: Candidate, config: ScoringConfig) -> float:
+    """The prefill work queued at the candidate ahead of this request, in request units."""
+    return config.prefill_weight * candidate.pending_prefill_blocks
 
 
 def prefix_bonus(candidate: Candidate, prompt_blocks: int, now: float, config: ScoringConfig) -> float:
@@ -126,8 +149,15 @@ def pick(
     bonuses: dict[str, float] = {}
     for candidate in candidates:
         bonuses[candidate.url] = prefix_bonus(candidate, prompt_blocks, now, config)
-        costs[candidate.url] = load_cost(candidate, now, config) - bonuses[candidate.url]
+        costs[candidate.url] = (
+            load_cost(candidate, now, config) + prefill_cost(candidate, config) - bonuses[candidate.url]
+        )
     least = min(costs.values())
-    tied = [c.url for c in candidates if costs[c.url] == least]
-    url = tied[turn % len(tied)]
-    return Pick(url=url, reason=REASON_PREFIX if bonuses[url] > 0 else REASON_LOAD, costs=costs)
+    tied = [c for c in candidates if costs[c.url] == least]
+    chosen = tied[turn % len(tied)]
+    return Pick(
+        url=chosen.url,
+        reason=REASON_PREFIX if bonuses[chosen.url] > 0 else REASON_LOAD,
+        costs=costs,
+        uncached_blocks=uncached_blocks(chosen, prompt_blocks),
+    )

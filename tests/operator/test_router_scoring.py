@@ -6,6 +6,7 @@ refused port counted)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 
@@ -98,6 +99,22 @@ def test_a_prefix_holder_takes_extra_load_up_to_the_prefix_weight_then_load_deci
     overloaded = Candidate("holder", 0, load(running=3, waiting=2), prefix_blocks=10)  # cost 7 - 4
     chosen = pick(overloaded, idle, prompt_blocks=10, config=config)
     assert (chosen.url, chosen.reason) == ("idle", scoring.REASON_LOAD)
+
+
+def test_prefill_queued_at_a_replica_counts_against_it():
+    """Equal request counts, but one replica still has 40 uncached prompt blocks to prefill: the
+    next request goes to the other, and a prefix holder with that much prefill queued loses its
+    bonus's worth (40 x 0.125 = 5 > 4)."""
+    busy = Candidate("busy", 2, load(running=2, in_flight_at_scrape=2), pending_prefill_blocks=40)
+    free = Candidate("free", 2, load(running=2, in_flight_at_scrape=2))
+    chosen = pick(busy, free)
+    assert chosen.url == "free" and chosen.costs["busy"] - chosen.costs["free"] == pytest.approx(5.0)
+    holder = Candidate("busy", 2, load(running=2, in_flight_at_scrape=2), 10, pending_prefill_blocks=40)
+    assert pick(holder, free, prompt_blocks=10).url == "free"
+    light = dataclasses.replace(holder, pending_prefill_blocks=8)  # 1 < 4: the holder keeps it
+    chosen = pick(light, free, prompt_blocks=10)
+    assert chosen.url == "busy" and chosen.uncached_blocks == 0
+    assert pick(free, prompt_blocks=10).uncached_blocks == 10
 
 
 def test_a_nearly_full_kv_cache_loses_the_prefix_bonus():
@@ -225,6 +242,60 @@ def test_the_round_robin_policy_ignores_load_and_the_score_policy_does_not():
     assert {scored.pick() for _ in range(4)} == {"http://b"}
     with pytest.raises(ValueError, match="policy"):
         BalancingProxy(lambda: urls, logger=None, policy="random")
+
+
+def test_the_door_counts_a_requests_uncached_blocks_until_its_first_output():
+    """A fake replica streams a chat answer: the role-only event at once, the first token when the
+    test says so. Until that token the request's uncached prompt blocks count against the replica;
+    from it on, and after the answer, nothing does."""
+
+    async def scenario() -> None:
+        release = asyncio.Event()
+
+        async def chat_completions(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n')
+            await release.wait()
+            await response.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
+            await asyncio.sleep(0.2)
+            await response.write(b"data: [DONE]\n\n")
+            return response
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat_completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        replica = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        door = BalancingProxy(lambda: [replica], port=0, logger=None)
+        url = await door.start()
+        body = chat("x" * 640, "a question")  # 10 full blocks of 64 characters, and more
+        blocks = len(block_hashes(prompt_text("/v1/chat/completions", body), door.prefix_config))
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(url + "/v1/chat/completions", data=body) as answer:
+                    await answer.content.readline()  # the role event has come through
+                    assert blocks >= 10 and door.pending_prefill[replica] == blocks
+                    release.set()
+                    await answer.content.readline()
+                    await answer.content.readline()  # the first token's event
+                    assert door.pending_prefill[replica] == 0 and door.in_flight[replica] == 1
+                    await answer.read()
+                # The same prompt again: the replica holds it, nothing is pending for it.
+                release.clear()
+                async with client.post(url + "/v1/chat/completions", data=body) as again:
+                    await again.content.readline()
+                    assert door.pending_prefill[replica] == 0
+                    release.set()
+                    await again.read()
+            assert door.pending_prefill[replica] == 0 and door.in_flight[replica] == 0
+        finally:
+            await door.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
 
 
 def _free_port() -> int:
