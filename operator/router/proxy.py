@@ -286,6 +286,9 @@ class BalancingProxy:
                     del counter[u]
             self.prefixes.forget(gone)
             self._refused_at = {u: t for u, t in self._refused_at.items() if u in known}
+            for counter in (self.in_flight, self.pending_prefill):  # idle entries of gone replicas
+                for u in [u for u, n in counter.items() if u not in known and n == 0]:
+                    del counter[u]
 
     async def _relay(
         self, request: web.Request, upstream: aiohttp.ClientResponse, first_output: Callable[[], None]
