@@ -23,9 +23,10 @@ the KV pool they ran on (torch-free).
   replica's in-flight requests at its share of it (``simulate(max_in_flight=...)``), so that a
   simulation running a little slower than the real engine does not pile up requests the real
   clients would never have sent -- the difference between a storm and none near the threshold.
-* **A queue that never emptied** (``saturated``: a request waiting at nearly every scrape). Then the
-  arrivals the recording shows are what the engine let through, not what the clients asked for:
-  closed-loop clients (or a backlog) send the next request as soon as one finishes. The plan then
+* **An engine that paced its clients** (``saturated``: a request waiting at nearly every scrape, or
+  every pod holding its peak number of requests). Then the arrivals the recording shows are what
+  the engine let through, not what the clients asked for: closed-loop clients (or a backlog) send
+  the next request as soon as one finishes. The plan then
   replays the requests closed-loop at the peak concurrency, each sent as soon as the cap allows, so
   that a faster candidate (a live relief lifted, a larger pool) is predicted under the load its
   clients would really make, not the load the slower settings in force admitted.
@@ -52,7 +53,7 @@ from kvpilot.operator.plan.step_time import StepWindow
 from kvpilot.operator.remediation.metrics import Histogram
 
 MIN_LENGTH_SAMPLES = 8
-SATURATED_FRACTION = 0.9  # of the scrapes with a request waiting: the queue never emptied
+SATURATED_FRACTION = 0.9  # of the scrapes with a queue (or at the peak): the engine paced the clients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +201,9 @@ class Workload:
     # The most requests the pods held at once (running + waiting + swapped), summed over the pods'
     # peaks: what the clients kept in flight at most (None without the gauges).
     peak_in_flight: int | None = None
-    # A request waited at nearly every scrape (at least SATURATED_FRACTION of them): the recorded
-    # arrivals are what the engine admitted, not what the clients would have sent.
+    # A request waited, or the pods held their peak, at nearly every scrape (at least
+    # SATURATED_FRACTION of them): the recorded arrivals are what the engine admitted, not what the
+    # clients would have sent.
     saturated: bool = False
     # The requests as a per-request trace recorded them (``kvpilot serve --request-trace``), used
     # instead of the histograms' distributions when given (``with_trace``).
@@ -383,9 +385,18 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
 
 
 def _saturated(scrapes: Sequence[PlanScrape]) -> bool:
-    """Whether a request waited at (nearly) every scrape that reports the queue."""
-    queues = [s.gauges[m.NUM_REQUESTS_WAITING] for s in scrapes if m.NUM_REQUESTS_WAITING in s.gauges]
-    return bool(queues) and sum(q >= 1 for q in queues) >= SATURATED_FRACTION * len(queues)
+    """Whether the engine paced the clients: at (nearly) every scrape that reports the gauges, a
+    request waited, or every pod held as many requests as it ever did (closed-loop clients, all of
+    them waiting on the engine)."""
+    counted = [s for s in scrapes if s.in_flight is not None]
+    if not counted:
+        return False
+    peaks: dict[str, float] = {}
+    for scrape in counted:
+        peaks[scrape.pod] = max(peaks.get(scrape.pod, 0.0), scrape.in_flight or 0.0)
+    queued = sum(s.gauges[m.NUM_REQUESTS_WAITING] >= 1 for s in counted)
+    at_peak = sum(peaks[s.pod] >= 1 and (s.in_flight or 0.0) >= peaks[s.pod] for s in counted)
+    return max(queued, at_peak) >= SATURATED_FRACTION * len(counted)
 
 
 def _peak_in_flight(scrapes: Sequence[PlanScrape]) -> int | None:

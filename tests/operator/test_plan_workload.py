@@ -113,12 +113,28 @@ def test_arrivals_lengths_and_pool_from_known_traffic(tmp_path) -> None:
 def test_a_queue_at_nearly_every_scrape_marks_the_recording_saturated(
     tmp_path, queued_from, saturated
 ) -> None:
+    # Every other scrape holds 8 requests, the rest 4: never at the peak for long.
     bodies = [
-        (1000.0 + k, "pod-a", _scrape(k, in_flight=8, waiting=6 if k >= queued_from else 0))
+        (1000.0 + k, "pod-a", _scrape(k, in_flight=8 if k % 2 else 4, waiting=3 if k >= queued_from else 0))
         for k in range(21)
     ]
     workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
     assert workload.peak_in_flight == 8
+    assert workload.saturated is saturated
+
+
+@pytest.mark.parametrize(("at_peak_from", "saturated"), [(1, True), (4, False)])
+def test_pods_at_their_peak_at_nearly_every_scrape_mark_the_recording_saturated(
+    tmp_path, at_peak_from, saturated
+) -> None:
+    """Closed-loop clients all waiting on the engine, no queue (the engine admitted them all)."""
+    bodies = [
+        (1000.0 + k, pod, _scrape(k, in_flight=peak if k >= at_peak_from else peak - 1))
+        for k in range(21)
+        for pod, peak in (("pod-a", 8), ("pod-b", 5))
+    ]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert workload.peak_in_flight == 13
     assert workload.saturated is saturated
 
 
