@@ -15,6 +15,7 @@ are replayed closed-loop: all ready at the start, each sent as soon as the cap a
 
 "Sustained preemption" here: over some ``spec.remediation.window`` of the simulated run, a replica
 preempts at more than ``spec.remediation.preemptionRate`` per second (the policy's storm threshold).
+With ``spec.remediation.slo.ttftP99Seconds`` a candidate must also be predicted within it.
 A candidate that leaves requests unfinished when the simulation stops (twice the recording's
 length) cannot keep up and is never picked. Cost: GPUs (replicas x GPUs per replica), then the
 number of levers changed, then the predicted TTFT p99.
@@ -91,6 +92,8 @@ class PlanContext:
     # The recorded queue never emptied (workload.saturated): requests are replayed closed-loop, each
     # sent as soon as the client-concurrency cap allows, instead of at their recorded times.
     closed_loop: bool = False
+    # spec.remediation.slo.ttftP99Seconds: a candidate predicted above it is not picked (None: no SLO).
+    ttft_slo_s: float | None = None
 
 
 def context_of(settings: Settings, workload: Workload, open_loop: bool = False) -> PlanContext:
@@ -142,6 +145,7 @@ def context_of(settings: Settings, workload: Workload, open_loop: bool = False) 
         notes=tuple(notes),
         client_concurrency=None if open_loop else workload.peak_in_flight,
         closed_loop=not open_loop and workload.peak_in_flight is not None and workload.saturated,
+        ttft_slo_s=rem.ttft_p99_slo_s,
     )
 
 
@@ -195,10 +199,11 @@ class CandidateResult:
     sustained_preemption: bool
     keeps_up: bool
     error: str | None = None
+    meets_slo: bool = True  # its predicted TTFT p99 is within spec.remediation.slo (or there is none)
 
     @property
     def eligible(self) -> bool:
-        return self.result is not None and self.keeps_up and not self.sustained_preemption
+        return self.result is not None and self.keeps_up and not self.sustained_preemption and self.meets_slo
 
     def as_dict(self, current: Candidate) -> dict[str, Any]:
         summary = self.result.summary() if self.result is not None else {}
@@ -213,6 +218,7 @@ class CandidateResult:
             "max_preemption_rate": self.max_preemption_rate,
             "sustained_preemption": self.sustained_preemption,
             "keeps_up": self.keeps_up,
+            "meets_slo": self.meets_slo,
             "error": self.error,
             "per_replica": summary,
             "timeline": self.result.timeline() if self.result is not None else [],
@@ -268,6 +274,7 @@ def evaluate(
             candidate, candidate == ctx.current, blocks, gpus, None, math.nan, True, False, str(exc)
         )
     rate = result.max_preemption_rate(ctx.window_s)
+    ttft_p99 = result.ttft(0.99)
     return CandidateResult(
         candidate,
         candidate == ctx.current,
@@ -277,6 +284,7 @@ def evaluate(
         rate,
         sustained_preemption=rate > ctx.preemption_rate,
         keeps_up=not result.truncated,
+        meets_slo=ctx.ttft_slo_s is None or not ttft_p99 > ctx.ttft_slo_s,
     )
 
 

@@ -191,6 +191,7 @@ def plan_document(
             "threshold": {"preemption_rate": ctx.preemption_rate, "window_s": ctx.window_s},
             "client_concurrency": ctx.client_concurrency,
             "closed_loop": ctx.closed_loop,
+            "ttft_p99_slo_s": ctx.ttft_slo_s,
             "notes": list(ctx.notes),
             "candidates": [r.as_dict(ctx.current) for r in results],
             "pick": None if chosen is None else results.index(chosen),
@@ -236,7 +237,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     print(f"step time: {step_time.describe()}")
     if ctx.client_concurrency is not None:
         replay = (
-            "; the queue never emptied: replayed closed-loop, each request sent as one finishes"
+            "; the engine paced them: replayed closed-loop, each request sent as one finishes"
             if ctx.closed_loop
             else ""
         )
@@ -247,10 +248,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     print(format_table(results, ctx.current, chosen))
     threshold = f"{ctx.preemption_rate:g} preemptions/s per replica over {ctx.window_s:g}s"
+    goal = "avoids sustained preemption"
+    if ctx.ttft_slo_s is not None:
+        goal += f" and keeps TTFT p99 within {ctx.ttft_slo_s * 1e3:g}ms"
     if chosen is None:
-        print(f"no candidate within the limits avoids sustained preemption ({threshold})")
+        print(f"no candidate within the limits {goal} ({threshold})")
     else:
-        print(f"* cheapest without sustained preemption ({threshold}): {chosen.candidate.label(ctx.current)}")
+        print(f"* cheapest that {goal} ({threshold}): {chosen.candidate.label(ctx.current)}")
     if args.json:
         document = plan_document(isvc, args.recording, workload, step_time, ctx, results, chosen)
         try:

@@ -85,11 +85,38 @@ def test_plan_predicts_the_storm_and_a_way_out(tmp_path, capsys) -> None:
     lines = captured.out.splitlines()
     marked = [line for line in lines if line.startswith("*  ")]
     assert len(marked) == 1 and chosen["label"] in marked[0]
-    assert (
-        f"cheapest without sustained preemption (0.5 preemptions/s per replica over 10s): {chosen['label']}"
-        in (captured.out)
-    )
+    threshold = "(0.5 preemptions/s per replica over 10s)"
+    assert f"cheapest that avoids sustained preemption {threshold}: {chosen['label']}" in captured.out
     assert "simulating" in captured.err  # the progress bar
+
+
+def test_a_ttft_slo_keeps_candidates_predicted_above_it_out_of_the_pick(tmp_path, capsys) -> None:
+    """With spec.remediation.slo.ttftP99Seconds a candidate predicted above it is not picked: an SLO
+    every storm-free candidate meets leaves the pick as it was, one below all of them leaves none."""
+
+    def run(slo: float | None, name: str) -> dict:
+        doc = isvc()
+        if slo is not None:
+            doc["spec"]["remediation"]["slo"] = {"ttftP99Seconds": slo}
+        manifest, out_json = tmp_path / f"{name}.yaml", tmp_path / f"{name}.json"
+        manifest.write_text(yaml.safe_dump(doc))
+        args = ["plan", "-f", str(manifest), "--recording", str(FIXTURE), "--json", str(out_json)]
+        assert main([*args, "--no-progress"]) == 0
+        return json.loads(out_json.read_text())
+
+    free = run(None, "free")
+    ok = [r for r in free["candidates"] if not r["sustained_preemption"] and r["keeps_up"]]
+    ttfts = [r["per_replica"]["ttft_p99_s"] for r in ok]
+    loose = run(max(ttfts) * 1.01, "loose")
+    storm_free = {r["label"] for r in ok}
+    assert loose["pick"] == free["pick"]
+    assert [r["meets_slo"] for r in loose["candidates"] if r["label"] in storm_free] == [True] * len(ok)
+    capsys.readouterr()
+    tight = run(min(ttfts) / 2, "tight")
+    assert tight["pick"] is None and tight["ttft_p99_slo_s"] == pytest.approx(min(ttfts) / 2)
+    assert not any(r["meets_slo"] for r in tight["candidates"])
+    out = capsys.readouterr().out
+    assert "no candidate within the limits avoids sustained preemption and keeps TTFT p99 within" in out
 
 
 def test_limits_that_leave_no_way_out_say_so(tmp_path, capsys) -> None:
