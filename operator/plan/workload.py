@@ -24,7 +24,7 @@ the KV pool they ran on (torch-free).
   simulation running a little slower than the real engine does not pile up requests the real
   clients would never have sent -- the difference between a storm and none near the threshold.
 * **An engine that paced its clients** (``saturated``: a request waiting at nearly every scrape, or
-  every pod holding its peak number of requests). Then the arrivals the recording shows are what
+  every pod holding nearly its peak number of requests). Then the arrivals the recording shows are what
   the engine let through, not what the clients asked for: closed-loop clients (or a backlog) send
   the next request as soon as one finishes. The plan then
   replays the requests closed-loop at the peak concurrency, each sent as soon as the cap allows, so
@@ -53,7 +53,10 @@ from kvpilot.operator.plan.step_time import StepWindow
 from kvpilot.operator.remediation.metrics import Histogram
 
 MIN_LENGTH_SAMPLES = 8
-SATURATED_FRACTION = 0.9  # of the scrapes with a queue (or at the peak): the engine paced the clients
+SATURATED_FRACTION = 0.9  # of the scrapes with a queue (or near the peak): the engine paced the clients
+# A pod "near its peak" holds at least this share of the most requests it ever held: a closed-loop
+# client between two of its requests (the answer read, the next one not yet in) is not in flight.
+NEAR_PEAK = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +204,7 @@ class Workload:
     # The most requests the pods held at once (running + waiting + swapped), summed over the pods'
     # peaks: what the clients kept in flight at most (None without the gauges).
     peak_in_flight: int | None = None
-    # A request waited, or the pods held their peak, at nearly every scrape (at least
+    # A request waited, or the pods held nearly their peak, at nearly every scrape (at least
     # SATURATED_FRACTION of them): the recorded arrivals are what the engine admitted, not what the
     # clients would have sent.
     saturated: bool = False
@@ -386,17 +389,22 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
 
 def _saturated(scrapes: Sequence[PlanScrape]) -> bool:
     """Whether the engine paced the clients: at (nearly) every scrape that reports the gauges, a
-    request waited, or every pod held as many requests as it ever did (closed-loop clients, all of
-    them waiting on the engine)."""
-    counted = [s for s in scrapes if s.in_flight is not None]
-    if not counted:
+    request waited, or every pod held nearly as many requests as it ever did (closed-loop clients,
+    all but a few of them waiting on the engine)."""
+    counted = sorted((s for s in scrapes if s.in_flight is not None), key=lambda s: s.time)
+    # Only the span with traffic: not the idle scrapes before the first request or after the last.
+    busy = [i for i, s in enumerate(counted) if (s.in_flight or 0.0) > 0]
+    if not busy:
         return False
+    counted = counted[busy[0] : busy[-1] + 1]
     peaks: dict[str, float] = {}
     for scrape in counted:
         peaks[scrape.pod] = max(peaks.get(scrape.pod, 0.0), scrape.in_flight or 0.0)
     queued = sum(s.gauges[m.NUM_REQUESTS_WAITING] >= 1 for s in counted)
-    at_peak = sum(peaks[s.pod] >= 1 and (s.in_flight or 0.0) >= peaks[s.pod] for s in counted)
-    return max(queued, at_peak) >= SATURATED_FRACTION * len(counted)
+    near_peak = sum(
+        peaks[s.pod] >= 1 and (s.in_flight or 0.0) >= math.ceil(NEAR_PEAK * peaks[s.pod]) for s in counted
+    )
+    return max(queued, near_peak) >= SATURATED_FRACTION * len(counted)
 
 
 def _peak_in_flight(scrapes: Sequence[PlanScrape]) -> int | None:

@@ -108,7 +108,8 @@ def test_arrivals_lengths_and_pool_from_known_traffic(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("queued_from", "saturated"),
-    [(1, True), (3, False), (11, False)],  # a queue at 20, 18 or 10 of the 21 scrapes
+    # A queue at 20, 17 or 10 of the 20 scrapes with traffic (the first, before any, does not count).
+    [(1, True), (4, False), (11, False)],
 )
 def test_a_queue_at_nearly_every_scrape_marks_the_recording_saturated(
     tmp_path, queued_from, saturated
@@ -124,12 +125,17 @@ def test_a_queue_at_nearly_every_scrape_marks_the_recording_saturated(
 
 
 @pytest.mark.parametrize(("at_peak_from", "saturated"), [(1, True), (4, False)])
-def test_pods_at_their_peak_at_nearly_every_scrape_mark_the_recording_saturated(
+def test_pods_near_their_peak_at_nearly_every_scrape_mark_the_recording_saturated(
     tmp_path, at_peak_from, saturated
 ) -> None:
-    """Closed-loop clients all waiting on the engine, no queue (the engine admitted them all)."""
+    """Closed-loop clients all (or all but one) waiting on the engine, no queue (the engine admitted
+    them all)."""
     bodies = [
-        (1000.0 + k, pod, _scrape(k, in_flight=peak if k >= at_peak_from else peak - 1))
+        (
+            1000.0 + k,
+            pod,
+            _scrape(k, in_flight=(peak - 1 if k % 2 else peak) if k >= at_peak_from else peak // 2),
+        )
         for k in range(21)
         for pod, peak in (("pod-a", 8), ("pod-b", 5))
     ]
