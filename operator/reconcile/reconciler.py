@@ -63,6 +63,9 @@ class Outcome:
     unavailable: list[str] = dataclasses.field(default_factory=list)
     status_written: bool = False
     gone: bool = False
+    # The optional children (apiVersion, kind, name) the spec does not want that this pass made sure
+    # are gone (None: it did not prune).
+    pruned: frozenset[tuple[str, str, str]] | None = None
 
 
 def is_controlled_by(obj: dict[str, Any], isvc: dict[str, Any]) -> bool:
@@ -223,11 +226,13 @@ async def _prune_service_monitor(kube: Kube, settings: Settings, outcome: Outcom
         outcome.written.append(f"Deleted ServiceMonitor {isvc['metadata']['name']}")
 
 
-async def _prune_optional(kube: Kube, settings: Settings, children: list[dict], outcome: Outcome) -> None:
+async def _prune_optional(
+    kube: Kube, settings: Settings, unwanted: frozenset[tuple[str, str, str]], outcome: Outcome
+) -> None:
     """Delete the children of spec.router and spec.autoscaling the spec no longer asks for (only
     those this InferenceService controls; a kind the cluster does not serve reads as absent)."""
     namespace = settings.meta.get("namespace")
-    for api_version, kind, name in unwanted_children(settings, children):
+    for api_version, kind, name in sorted(unwanted):
         path = object_path(api_version, kind, namespace, name)
         try:
             live = await kube.get(path)
@@ -260,6 +265,7 @@ async def reconcile(
     apply_children: bool = True,
     service_monitors: bool = False,
     announce: bool = True,
+    pruned: frozenset[tuple[str, str, str]] | None = None,
 ) -> Outcome:
     """Bring the children and status of the InferenceService ``settings`` resolves (its object as last
     read) in line with its spec.
@@ -267,7 +273,10 @@ async def reconcile(
     ``apply_children=False`` only refreshes status from the live Deployment. ``service_monitors``:
     whether this operator may manage ServiceMonitors (it has the RBAC for them; otherwise it never
     touches that resource). ``announce``: post one-off warnings as Events (a spec change, not a
-    periodic pass). Raises ApiError for API failures (409 on a stale status write included).
+    periodic pass). ``pruned``: the unwanted optional children an earlier pass made sure were gone
+    (``Outcome.pruned``); a periodic pass prunes only when that set has changed since, so a spec
+    change whose announced pass failed is still carried out. Raises ApiError for API failures (409 on
+    a stale status write included).
     """
     now = now or datetime.datetime.now(datetime.UTC)
     outcome = Outcome()
@@ -300,10 +309,13 @@ async def reconcile(
             deployment = await _apply_children(kube, isvc, children, outcome)
             if service_monitors and not wants_monitor:
                 await _prune_service_monitor(kube, settings, outcome)
-            if announce:
+            unwanted = frozenset(unwanted_children(settings, children))
+            if announce or unwanted != pruned:
                 # Removing spec.router or spec.autoscaling is a spec change, and spec changes (and
-                # restarts) run announced passes: periodic passes skip these reads.
-                await _prune_optional(kube, settings, children, outcome)
+                # restarts) run announced passes; periodic passes skip these reads unless what the
+                # spec wants has changed since the last prune (an announced pass that failed).
+                await _prune_optional(kube, settings, unwanted, outcome)
+                outcome.pruned = unwanted
         else:
             deployment = await kube.get(deployment_path)
             if deployment is not None and not is_controlled_by(deployment, isvc):
@@ -383,6 +395,8 @@ class Reconciler:
         # observability.OperatorMetrics (duck-typed: this folder imports no exporter), or None.
         self.metrics = metrics
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # Per InferenceService: the unwanted optional children its last pruning pass removed.
+        self._pruned: dict[tuple[str, str], frozenset[tuple[str, str, str]]] = {}
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         """The lock that serialises every write to one InferenceService (reconcile and remediation)."""
@@ -397,6 +411,7 @@ class Reconciler:
             isvc = await self.kube.get(object_path(names.API_VERSION, names.KIND, namespace, name))
             if isvc is None:
                 self._locks.pop((namespace, name), None)
+                self._pruned.pop((namespace, name), None)
                 if self.metrics is not None:
                     self.metrics.forget(namespace, name)
                 return Outcome(gone=True)
@@ -415,10 +430,19 @@ class Reconciler:
             await self.post_event(isvc, type_, reason, message)
 
         started = time.monotonic()
+        key = (isvc["metadata"].get("namespace"), isvc["metadata"]["name"])
         try:
-            return await reconcile(
-                self.kube, settings, emit, service_monitors=self.service_monitors, announce=announce
+            outcome = await reconcile(
+                self.kube,
+                settings,
+                emit,
+                service_monitors=self.service_monitors,
+                announce=announce,
+                pruned=self._pruned.get(key),
             )
+            if outcome.pruned is not None:
+                self._pruned[key] = outcome.pruned
+            return outcome
         finally:
             if self.metrics is not None:
                 meta = isvc["metadata"]

@@ -60,8 +60,11 @@ def test_with_the_crds_installed_every_child_exists_and_goes_with_its_field(api)
     assert pool["metadata"]["ownerReferences"][0]["kind"] == names.KIND
     assert live(api, "gateway.networking.k8s.io/v1", "HTTPRoute", "gie") is not None
 
-    again, _ = reconcile_once(api, "gie", announce=False)
+    first = outcome.pruned
+    assert first is not None and ("keda.sh/v1alpha1", "ScaledObject", "gie") in first
+    again, _ = reconcile_once(api, "gie", announce=False, pruned=first)
     assert again.written == [], "an unchanged object is not written again"
+    assert again.pruned is None, "nothing changed since the last prune: a periodic pass skips it"
 
     # The fields removed: their children go, the engine's stay (and the Deployment gets replicas).
     isvc = fresh(api, "gie")
@@ -69,7 +72,9 @@ def test_with_the_crds_installed_every_child_exists_and_goes_with_its_field(api)
     path = object_path(names.API_VERSION, names.KIND, NS, "gie")
     api.merge_patch(path, {"spec": {"router": None, "autoscaling": None}})
     assert fresh(api, "gie")["spec"] == spec
-    outcome, _ = reconcile_once(api, "gie")
+    # A periodic pass prunes too once what the spec wants has changed since the last prune (the
+    # announced pass of the change may have failed).
+    outcome, _ = reconcile_once(api, "gie", announce=False, pruned=first)
     deleted = sorted(line for line in outcome.written if line.startswith("Deleted"))
     assert deleted == [
         "Deleted Deployment gie-epp",
@@ -84,3 +89,5 @@ def test_with_the_crds_installed_every_child_exists_and_goes_with_its_field(api)
     assert live(api, "inference.networking.k8s.io/v1", "InferencePool", "gie") is None
     assert live(api, "apps/v1", "Deployment", "gie")["spec"]["replicas"] == spec["replicas"]
     assert live(api, "v1", "Service", "gie") is not None
+    settled, _ = reconcile_once(api, "gie", announce=False, pruned=outcome.pruned)
+    assert settled.pruned is None and not [line for line in settled.written if line.startswith("Deleted")]
