@@ -9,7 +9,7 @@ Each candidate gets a cost in units of "one request running there":
               - prefix_weight * matched_blocks / prompt_blocks      (not when KV usage >= kv_overload)
 
 ``pending_prefill_blocks``: the prompt blocks the door sent the replica that it did not hold (no
-prefix match) and that have not produced a first byte yet -- prefill work queued there, which a
+prefix match) and whose answer has not begun (its first output) -- prefill work queued there, which a
 request count does not see: a burst of long uncached prompts is spread by the work each brings, and
 a prefix holder is not handed uncached prompts behind the ones it is already prefilling.
 
@@ -48,7 +48,7 @@ class EngineLoad:
 class Candidate:
     """A ready replica: its URL, the door's requests in flight to it now, its last scrape (None: none
     yet), how many leading blocks of this request's prompt it served before, and the uncached prompt
-    blocks of requests sent to it that have no first byte back yet."""
+    blocks of requests sent to it whose answer has not begun."""
 
     url: str
     in_flight: int = 0
