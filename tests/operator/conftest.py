@@ -106,6 +106,20 @@ def find_tool(name: str) -> str:
     pytest.skip(message)
 
 
+async def serve_routes(*routes: tuple[str, str, Callable[..., Any]]) -> tuple[Any, str]:
+    """An aiohttp app with ``(method, path, handler)`` routes on a free port of 127.0.0.1: (runner,
+    base URL); ``await runner.cleanup()`` stops it. A fake replica behind the router's tests."""
+    from aiohttp import web
+
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
     """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout

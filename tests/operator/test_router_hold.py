@@ -13,6 +13,7 @@ from aiohttp import web
 
 from kvpilot.operator.router.hold import OUTCOME_FULL, OUTCOME_READY, OUTCOME_TIMEOUT, ColdStartHold
 from kvpilot.operator.router.proxy import POLICY_LEAST_IN_FLIGHT, BalancingProxy
+from tests.operator.conftest import serve_routes
 
 LOG = logging.getLogger("test")
 
@@ -81,13 +82,7 @@ def test_the_proxy_holds_a_request_until_a_replica_is_ready_and_refuses_past_the
         async def completions(request: web.Request) -> web.Response:
             return web.json_response({"served": True})
 
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        replica = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        runner, replica = await serve_routes(("POST", "/v1/completions", completions))
 
         ready: list[str] = []
         asked: list[str] = []

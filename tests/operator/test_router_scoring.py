@@ -21,6 +21,7 @@ from kvpilot.operator.router.prefix import PrefixConfig, PrefixIndex, block_hash
 from kvpilot.operator.router.proxy import BalancingProxy
 from kvpilot.operator.router.scoring import Candidate, EngineLoad, ScoringConfig
 from kvpilot.operator.router.scrape import MetricsScraper, engine_load
+from tests.operator.conftest import serve_routes
 
 NOW = 1000.0
 
@@ -262,13 +263,7 @@ def test_the_door_counts_a_requests_uncached_blocks_until_its_first_output():
             await response.write(b"data: [DONE]\n\n")
             return response
 
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat_completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        replica = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        runner, replica = await serve_routes(("POST", "/v1/chat/completions", chat_completions))
         door = BalancingProxy(lambda: [replica], port=0, logger=None)
         url = await door.start()
         body = chat("x" * 640, "a question")  # 10 full blocks of 64 characters, and more
