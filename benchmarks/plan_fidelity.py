@@ -5,9 +5,20 @@ thread) runs under the settings in force and two other settings, each for a fixe
 load, its ``/metrics`` scraped every second into a recording (the lines ``kvpilot operator --record``
 writes). Only the recording of the settings in force is given to the plan; it rebuilds the workload
 and the step-time model from it and simulates every setting. Per setting the table gives predicted
-and measured preemptions/s, output tok/s, TTFT p99 (client-measured) and the storm call (the
-preemption rate over some ``window`` above ``preemptionRate``, as ``spec.remediation`` says), with
-the error of each. Goals: throughput within 15 %, TTFT p99 within 25 %, every storm call right.
+and measured preemptions/s, output tok/s (over the span from the first request sent to the last
+answered), TTFT p99 and the storm call (the preemption rate over some ``window`` above
+``preemptionRate``, as ``spec.remediation`` says), with the error of each. Goals: throughput within
+15 %, TTFT p99 within 25 %, every storm call right.
+
+TTFT p99 is given three ways. The goal is checked on the engine's own TTFT of every request (arrival
+at the engine to its first token, from ``kvpilot serve --request-trace``, which the plan is not
+given): the quantity ``vllm:time_to_first_token_seconds`` and so ``spec.remediation.slo`` measure.
+Beside it, the same read from the histogram as Prometheus reads it (``histogram_quantile``, with the
+simulated TTFTs binned into the same buckets; interpolation within a bucket moves both sides by up to
+its width, so a p99 near a bucket bound swings), and the client-measured p99, which adds the HTTP
+round trip and, on a small box, the client's own event loop, which no engine model can see (at
+thousands of streamed tokens a second it is most of the client's TTFT). The recorded vLLM storm has
+no trace: its goal is checked on the histogram.
 
 Workloads:
 
@@ -60,7 +71,7 @@ from kvpilot.engine.config import to_cli_args
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import engine_snake_args
 from kvpilot.operator.demo.prepare import start_process, stop_process, wait_for_line
-from kvpilot.operator.plan.candidates import Candidate, context_of, evaluate
+from kvpilot.operator.plan.candidates import Candidate, calibrate_ttft, context_of, evaluate
 from kvpilot.operator.plan.recording import read_recording
 from kvpilot.operator.plan.step_time import fit_step_time
 from kvpilot.operator.plan.workload import workload_from_scrapes
@@ -211,9 +222,12 @@ def measured_from_lines(lines: list[dict[str, Any]], duration_s: float | None = 
 # --- engine and load ----------------------------------------------------------------------------
 
 
-def serve(model: Path, engine: dict[str, Any], log_path: Path):
-    """Start ``kvpilot serve`` with ``engine`` (spec.engine keys); (process, base URL)."""
+def serve(model: Path, engine: dict[str, Any], log_path: Path, trace: Path | None = None):
+    """Start ``kvpilot serve`` with ``engine`` (spec.engine keys), writing a per-request trace to
+    ``trace`` when given; (process, base URL)."""
     args = [str(model), "--host", "127.0.0.1", "--port", "0", "--served-model-name", SERVED]
+    if trace is not None:
+        args += ["--request-trace", str(trace)]
     args += ["--disable-log-stats", "--disable-access-log", "--seed", "0"]
     args += to_cli_args(engine_snake_args({"device": "cpu", "enablePrefixCaching": False, **engine}))
     proc = start_process([sys.executable, "-m", "kvpilot.cli", "serve", *args], log_path, new_session=True)
@@ -354,11 +368,24 @@ def isvc_of(case: Case, engine: dict[str, Any]) -> dict[str, Any]:
 # --- prediction and comparison -------------------------------------------------------------------
 
 
-def predict(doc: dict, recording: Path, candidates: list[Candidate], open_loop: bool) -> tuple[list, dict]:
-    """The plan's simulation of each candidate on the workload of ``recording``."""
+def binned_quantile(values: tuple[float, ...], bounds: list[float], q: float) -> float:
+    """``q``-quantile of ``values`` as Prometheus gives it from a histogram with ``bounds`` (the
+    engine's buckets): what an SLO on ``vllm:time_to_first_token_seconds`` would read."""
+    if not values or not bounds:
+        return math.nan
+    cumulative = {b: float(sum(1 for v in values if v <= b)) for b in bounds}
+    cumulative[math.inf] = float(len(values))
+    return histogram_quantile({}, cumulative, q)
+
+
+def predict(
+    doc: dict, recording: Path, candidates: list[Candidate], open_loop: bool, ttft_bounds: list[float]
+) -> tuple[list, dict]:
+    """The plan's simulation of each candidate on the workload of ``recording``; TTFT p99 also binned
+    into the engine's TTFT buckets (``ttft_bounds``)."""
     workload = workload_from_scrapes(read_recording(recording, doc))
     step_time = fit_step_time(workload.step_windows)
-    ctx = context_of(resolve(doc), workload, open_loop=open_loop)
+    ctx, _ = calibrate_ttft(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
     out = []
     for candidate in candidates:
         r = evaluate(candidate, ctx, workload, step_time)
@@ -369,6 +396,7 @@ def predict(doc: dict, recording: Path, candidates: list[Candidate], open_loop: 
                 "preemptions_per_s": res.preemptions_per_s if res else math.nan,
                 "output_tokens_per_s": res.output_tokens_per_s if res else math.nan,
                 "ttft_p99_s": res.ttft(0.99) if res else math.nan,
+                "ttft_p99_hist_s": binned_quantile(res.ttft_s, ttft_bounds, 0.99) if res else math.nan,
                 "max_preemption_rate": r.max_preemption_rate,
                 "storm": r.sustained_preemption,
                 "keeps_up": r.keeps_up,
@@ -395,6 +423,8 @@ def compare(pred: dict, meas: dict) -> dict:
         "preemptions_per_s": pred["preemptions_per_s"] - meas["preemptions_per_s"],
         "output_tokens_per_s": rel(pred["output_tokens_per_s"], meas["output_tokens_per_s"]),
         "ttft_p99_s": rel(pred["ttft_p99_s"], meas["ttft_p99_s"]),
+        "ttft_p99_hist_s": rel(pred["ttft_p99_hist_s"], meas["ttft_p99_hist_s"]),
+        "ttft_p99_engine_s": rel(pred["ttft_p99_s"], meas["ttft_p99_engine_s"]),
         "storm_right": pred["storm"] == meas["storm"],
     }
 
@@ -410,16 +440,28 @@ def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: in
         engine = {**base, **setting.engine}
         if setting.blocks is not None:
             engine["gpuMemoryUtilization"] = memory_settings(sizing, setting.blocks, budget)
-        proc, url = serve(model, engine, workdir / f"{case.name}-{index}.log")
+        trace = workdir / f"{case.name}-{index}.trace.jsonl"
+        proc, url = serve(model, engine, workdir / f"{case.name}-{index}.log", trace)
         record: list[dict] = []
         try:
-            trips, load_s = asyncio.run(drive(url, case.load, duration_s, seed, record, case.name))
+            trips, _ = asyncio.run(drive(url, case.load, duration_s, seed, record, case.name))
         finally:
             stop_process(proc, signal.SIGTERM, 15)
         path = workdir / f"{case.name}-{index}.jsonl"
         path.write_text("".join(json.dumps(line) + "\n" for line in record))
-        measured = measured_from_lines(record, load_s)
+        # Rates over the span of the requests, first sent to last answered: the plan's run from the
+        # first arrival to the last step.
+        span = max(end for _, _, end, _ in trips) - min(start for start, _, _, _ in trips)
+        measured = measured_from_lines(record, span)
         measured["ttft_p99_s"] = quantile([first - start for start, first, _, _ in trips], 0.99)
+        # The engine's own TTFT of every request (its trace, not given to the plan): exact, where the
+        # histogram is read by interpolating within its buckets.
+        engine_ttfts = [
+            entry["ttft_s"]
+            for entry in map(json.loads, trace.read_text().splitlines())
+            if entry.get("ttft_s") is not None
+        ]
+        measured["ttft_p99_engine_s"] = quantile(engine_ttfts, 0.99)
         measured["num_requests"] = len(trips)
         runs.append({"setting": setting.label, "engine": engine, "recording": path, "measured": measured})
         print(
@@ -437,7 +479,9 @@ def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: in
         )
         for r in runs
     ]
-    predicted, about = predict(doc, runs[0]["recording"], candidates, open_loop=case.load.kind == "open")
+    predicted, about = predict(
+        doc, runs[0]["recording"], candidates, case.load.kind == "open", ttft_bounds_of(runs[0]["recording"])
+    )
     rows = []
     for r, pred in zip(runs, predicted, strict=True):
         rows.append(
@@ -454,16 +498,26 @@ def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: in
     return rows
 
 
+def ttft_bounds_of(recording: Path) -> list[float]:
+    """The finite bucket bounds of the engine's TTFT histogram in a recording's last scrape."""
+    opener = gzip.open if recording.suffix == ".gz" else open
+    with opener(recording, "rt", encoding="utf-8") as handle:
+        last = [json.loads(line) for line in handle if line.strip()]
+    text = next(line["metrics"] for line in reversed(last) if line.get("metrics"))
+    return sorted(b for b in samples_of(text)[1].get(m.TIME_TO_FIRST_TOKEN_SECONDS, {}) if math.isfinite(b))
+
+
 def vllm_case() -> list[dict]:
     """The recorded vLLM storm: predicted vs recorded, the settings in force only."""
     doc = vllm_isvc()
     lines = [json.loads(line) for line in gzip.decompress(FIXTURE.read_bytes()).decode().splitlines()]
     measured = measured_from_lines([line for line in lines if line.get("metrics")])
-    measured["ttft_p99_s"] = measured["ttft_p99_hist_s"]  # no client record: the engine's histogram
+    measured["ttft_p99_s"] = math.nan  # no client record, no trace: the engine's histogram alone
+    measured["ttft_p99_engine_s"] = math.nan
     engine = doc["spec"]["engine"]
     workload = workload_from_scrapes(read_recording(FIXTURE, doc))
     ctx = context_of(resolve(doc), workload)
-    predicted, about = predict(doc, FIXTURE, [ctx.current], open_loop=False)
+    predicted, about = predict(doc, FIXTURE, [ctx.current], False, ttft_bounds_of(FIXTURE))
     pred = predicted[0]
     return [
         {
@@ -491,22 +545,34 @@ def _ms(x: float) -> str:
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'WORKLOAD':8} {'SETTING':26} {'BLK m/p':>9} {'PREEMPT/S m/p':>14} {'ERR':>6} "
-        f"{'OUT TOK/S m/p':>15} {'ERR':>6} {'TTFT99 ms m/p':>15} {'ERR':>6} {'STORM m/p':>11} OK"
+        f"{'WORKLOAD':8} {'SETTING':24} {'BLK m/p':>9} {'PREEMPT/S m/p':>14} {'ERR':>6} "
+        f"{'OUT TOK/S m/p':>15} {'ERR':>6} {'TTFT99 ENGINE':>15} {'ERR':>6} "
+        f"{'TTFT99 HIST ms':>15} {'ERR':>6} "
+        f"{'TTFT99 CLIENT':>15} {'ERR':>6} "
+        f"{'STORM m/p':>9} OK"
     )
     print(header)
     for row in rows:
         mm, p, e = row["measured"], row["predicted"], row["error"]
         storm = f"{'yes' if mm['storm'] else 'no'}/{'yes' if p['storm'] else 'no'}"
         print(
-            f"{row['workload']:8} {row['setting'][:26]:26} "
+            f"{row['workload']:8} {row['setting'][:24]:24} "
             f"{mm['num_gpu_blocks']:>4}/{p['num_gpu_blocks']:<4} "
             f"{mm['preemptions_per_s']:6.2f}/{p['preemptions_per_s']:<7.2f} {e['preemptions_per_s']:+6.2f} "
             f"{mm['output_tokens_per_s']:7.0f}/{p['output_tokens_per_s']:<7.0f} "
             f"{_pct(e['output_tokens_per_s']):>6} "
+            f"{_ms(mm['ttft_p99_engine_s']):>7}/{_ms(p['ttft_p99_s']):<7} {_pct(e['ttft_p99_engine_s']):>6} "
+            f"{_ms(mm['ttft_p99_hist_s']):>7}/{_ms(p['ttft_p99_hist_s']):<7} {_pct(e['ttft_p99_hist_s']):>6} "
             f"{_ms(mm['ttft_p99_s']):>7}/{_ms(p['ttft_p99_s']):<7} {_pct(e['ttft_p99_s']):>6} "
-            f"{storm:>11} {'y' if e['storm_right'] else 'N'}"
+            f"{storm:>9} {'y' if e['storm_right'] else 'N'}"
         )
+
+
+def goal_ttft_error(row: dict) -> float:
+    """The TTFT p99 error the goal is checked on: against the engine's own per-request TTFTs where
+    the run wrote them, else (a recording alone) against its histogram, both sides binned alike."""
+    error = row["error"]["ttft_p99_engine_s"]
+    return error if math.isfinite(error) else row["error"]["ttft_p99_hist_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -540,11 +606,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(rows)
     tput = [abs(r["error"]["output_tokens_per_s"]) <= GOALS["output_tokens_per_s"] for r in rows]
-    ttft = [abs(r["error"]["ttft_p99_s"]) <= GOALS["ttft_p99_s"] for r in rows]
+    ttft = [abs(goal_ttft_error(r)) <= GOALS["ttft_p99_s"] for r in rows]
+    hist = [abs(r["error"]["ttft_p99_hist_s"]) <= GOALS["ttft_p99_s"] for r in rows]
+    client = [r for r in rows if math.isfinite(r["error"]["ttft_p99_s"])]
+    ttft_client = [abs(r["error"]["ttft_p99_s"]) <= GOALS["ttft_p99_s"] for r in client]
     storms = [r["error"]["storm_right"] for r in rows]
     print(
-        f"within goals: throughput +-15% {sum(tput)}/{len(rows)}, TTFT p99 +-25% {sum(ttft)}/{len(rows)}, "
-        f"storm call {sum(storms)}/{len(rows)}; {time.time() - started:.0f}s"
+        f"within goals: throughput +-15% {sum(tput)}/{len(rows)}, TTFT p99 +-25% {sum(ttft)}/{len(rows)} "
+        f"(the engine's own TTFTs; read from its histogram {sum(hist)}/{len(rows)}, client-measured "
+        f"{sum(ttft_client)}/{len(client)}), storm call {sum(storms)}/{len(rows)}; "
+        f"{time.time() - started:.0f}s"
     )
     for row in rows:
         if row["setting"].startswith("in force"):

@@ -110,6 +110,8 @@ class LLMEngine(ShutdownOnExit):
             grammar_compiler=grammar_compiler,
         )
         self.num_steps = 0
+        # When the engine last ended a step with work left (perf_counter), None when it went idle.
+        self._busy_since: float | None = None
         # Callables (SchedulerStats, IterationStats) -> None, called after every step.
         self.stat_loggers: list[StatLoggerBase] = []
         self._log_start(time.monotonic() - t0)
@@ -270,6 +272,7 @@ class LLMEngine(ShutdownOnExit):
         num_preemptions_before = self.scheduler.num_preemptions_total
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
+            self._busy_since = None
             return []
         if not sched_out.scheduled:
             # Everything runnable was preempted: only move the blocks this step released.
@@ -289,7 +292,8 @@ class LLMEngine(ShutdownOnExit):
         outputs = self.output_processor.make_outputs(processed)
         if self.stat_loggers:
             num_preemptions = self.scheduler.num_preemptions_total - num_preemptions_before
-            self._log_stats(sched_out, runner_out, processed.record, num_preemptions, t1 - t0, t2)
+            self._log_stats(sched_out, runner_out, processed.record, num_preemptions, t1 - t0, t2, t0)
+            self._busy_since = time.perf_counter() if self.scheduler.requests else None
         return outputs
 
     def _log_stats(
@@ -300,9 +304,16 @@ class LLMEngine(ShutdownOnExit):
         num_preemptions: int,
         schedule_s: float,
         executed_at: float,
+        step_began: float,
     ) -> None:
-        update_s = max(0.0, time.perf_counter() - executed_at)
-        stats = make_iteration_stats(sched_out, runner_out, record, num_preemptions, schedule_s, update_s)
+        now = time.perf_counter()
+        update_s = max(0.0, now - executed_at)
+        # Busy since the previous step ended (work was left then): the step held the engine from then
+        # on, the gap between the two included (commands, the event loop's share of the GIL).
+        began = self._busy_since if self._busy_since is not None else step_began
+        stats = make_iteration_stats(
+            sched_out, runner_out, record, num_preemptions, schedule_s, update_s, wall_s=now - began
+        )
         sched_stats = self.scheduler.stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched_stats, stats)

@@ -215,6 +215,36 @@ class PrometheusStatLogger(StatLoggerBase):
             [float(b) for b in iteration_buckets if b <= max_num_batched_tokens],
         )
 
+        # What the steps cost by their shape (metrics_names.ENGINE_STEP_COUNTERS): every (phase, batch
+        # class) series up to the largest batch exported from start-up, at 0.
+        by = "by phase and batch class"
+        step_docs = {
+            names.ENGINE_STEPS_TOTAL: f"Engine steps, {by}.",
+            names.ENGINE_STEP_SECONDS_TOTAL: f"Wall seconds the engine's steps held it, {by}.",
+            names.ENGINE_STEP_TOKENS_TOTAL: f"Tokens the engine's steps fed the model, {by}.",
+            names.ENGINE_STEP_SEQS_TOTAL: f"Sequences in the engine's steps, {by}.",
+            names.ENGINE_STEP_DECODE_CONTEXT_TOTAL: f"KV positions read by one-token slices in steps, {by}.",
+            names.ENGINE_STEP_PREFILL_PAIRS_TOTAL: f"Causal query-key pairs of prompt chunks, {by}.",
+        }
+        step_families = {
+            name: Counter(
+                name.removesuffix("_total"),
+                doc,
+                [*label, names.LABEL_PHASE, names.LABEL_NUM_SEQS],
+                registry=registry,
+            )
+            for name, doc in step_docs.items()
+        }
+        self._step_series: dict[tuple[str, str], tuple[Any, ...]] = {
+            (phase, batch): tuple(
+                family.labels(engine, model_name, phase, batch) for family in step_families.values()
+            )
+            for phase in names.PHASES
+            for batch in names.batch_classes(int(model_config.get("max_num_seqs") or 1))
+        }
+        self._step_families = step_families
+        self._engine_labels = (engine, model_name)
+
         self._cache_config = dict(cache_config)
         self._cache_info = info(
             names.CACHE_CONFIG_INFO,
@@ -346,12 +376,34 @@ class PrometheusStatLogger(StatLoggerBase):
         if it.num_cached_prompt_tokens:
             self.prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
         self.iteration_tokens.observe(it.num_batched_tokens)
+        self._record_step_shape(it)
         for value in it.time_to_first_tokens:
             self.ttft.observe(value)
         for value in it.inter_token_latencies:
             self.itl.observe(value)
         for fin in it.finished:
             self._observe_finished(fin)
+
+    def _record_step_shape(self, it: IterationStats) -> None:
+        if it.wall_s is None or it.num_running_seqs <= 0:
+            return
+        phase = names.PHASE_PREFILL if it.num_prefill_seqs else names.PHASE_DECODE
+        key = (phase, names.batch_class(it.num_running_seqs))
+        series = self._step_series.get(key)
+        if series is None:  # a batch past the start-up bound (cannot happen: live changes stay within it)
+            series = tuple(
+                family.labels(*self._engine_labels, *key) for family in self._step_families.values()
+            )
+            self._step_series[key] = series
+        steps, seconds, tokens, seqs, context, pairs = series
+        steps.inc()
+        seconds.inc(max(0.0, it.wall_s))
+        tokens.inc(it.num_batched_tokens)
+        seqs.inc(it.num_running_seqs)
+        if it.decode_context_tokens:
+            context.inc(it.decode_context_tokens)
+        if it.prefill_attention_pairs:
+            pairs.inc(it.prefill_attention_pairs)
 
     def _record_scheduler_stats(self, sched: SchedulerStats) -> None:
         """Refresh the gauges and scheduler-cumulative counters."""

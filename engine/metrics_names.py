@@ -106,6 +106,54 @@ REFUSED_INVALID = "invalid_request"  # 400: a bad parameter, prompt or per-reque
 REFUSED_TOO_LARGE = "request_too_large"  # 413: the body is over the size limit
 REFUSED_REASONS = (REFUSED_QUEUE_FULL, REFUSED_INVALID, REFUSED_TOO_LARGE)
 
+# Ours: what the engine's steps cost, by their shape, for a planner to fit step time on (the plan's
+# ``step_time``). Counters by ``phase`` ("decode": every sequence fed one token; "prefill": some fed
+# more) and ``num_seqs`` (the batch, in power-of-two classes: "1", "2", "3-4", "5-8", ...): the steps,
+# their wall seconds (``IterationStats.wall_s``), the tokens they fed, their sequences, the KV positions
+# their one-token slices read, and the causal (query, key) pairs of their longer chunks. Each series'
+# increase over a window is the exact sum over its steps, so means per class need no histogram.
+ENGINE_STEPS_TOTAL = "kvpilot_engine_steps_total"
+ENGINE_STEP_SECONDS_TOTAL = "kvpilot_engine_step_seconds_total"
+ENGINE_STEP_TOKENS_TOTAL = "kvpilot_engine_step_tokens_total"
+ENGINE_STEP_SEQS_TOTAL = "kvpilot_engine_step_seqs_total"
+ENGINE_STEP_DECODE_CONTEXT_TOTAL = "kvpilot_engine_step_decode_context_tokens_total"
+ENGINE_STEP_PREFILL_PAIRS_TOTAL = "kvpilot_engine_step_prefill_attention_pairs_total"
+ENGINE_STEP_COUNTERS = (
+    ENGINE_STEPS_TOTAL,
+    ENGINE_STEP_SECONDS_TOTAL,
+    ENGINE_STEP_TOKENS_TOTAL,
+    ENGINE_STEP_SEQS_TOTAL,
+    ENGINE_STEP_DECODE_CONTEXT_TOTAL,
+    ENGINE_STEP_PREFILL_PAIRS_TOTAL,
+)
+LABEL_PHASE = "phase"
+LABEL_NUM_SEQS = "num_seqs"
+PHASE_DECODE = "decode"
+PHASE_PREFILL = "prefill"
+PHASES = (PHASE_DECODE, PHASE_PREFILL)
+
+
+def batch_class(num_seqs: int) -> str:
+    """The ``num_seqs`` label of a step of ``num_seqs`` sequences: "1", "2", then "3-4", "5-8", ...
+    (powers of two), so the series stay few whatever the batch."""
+    if num_seqs <= 2:
+        return str(max(1, num_seqs))
+    high = 1 << (num_seqs - 1).bit_length()
+    return f"{high // 2 + 1}-{high}"
+
+
+def batch_classes(max_num_seqs: int) -> tuple[str, ...]:
+    """Every class a batch of at most ``max_num_seqs`` sequences falls in, smallest first."""
+    out: list[str] = []
+    n = 1
+    while n <= max(1, max_num_seqs):
+        out.append(batch_class(n))
+        n = 2 if n == 1 else n * 2
+    if batch_class(max_num_seqs) not in out:
+        out.append(batch_class(max_num_seqs))
+    return tuple(out)
+
+
 CACHE_CONFIG_LABELS = (
     "block_size",
     "num_gpu_blocks",
@@ -164,6 +212,7 @@ COUNTERS = (
     PREFIX_CACHE_HITS_TOTAL,
     PROMPT_TOKENS_CACHED_TOTAL,
     REQUESTS_REFUSED_TOTAL,
+    *ENGINE_STEP_COUNTERS,
 )
 HISTOGRAMS = (
     TIME_TO_FIRST_TOKEN_SECONDS,

@@ -77,6 +77,29 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
 
     @property
+    def num_prefill_seqs(self) -> int:
+        """Sequences that feed more than one token this step (a prompt chunk or a recomputation). The
+        cost model counts by shape: a one-token slice costs what a decode costs, whatever its phase."""
+        return sum(1 for r in self.scheduled if r.num_tokens > 1)
+
+    @property
+    def decode_context_tokens(self) -> int:
+        """The KV positions the one-token slices attend to, summed: a token at position ``p`` reads
+        ``p + 1`` of them. What attention costs in a decode step grows with this."""
+        return sum(r.start_pos + 1 for r in self.scheduled if r.num_tokens == 1)
+
+    @property
+    def prefill_attention_pairs(self) -> int:
+        """(query, key) pairs the prefill tokens attend over, causal: a chunk of ``n`` tokens at
+        ``start`` adds ``n * start + n * (n + 1) / 2``. Quadratic in a prompt's length, which is why a
+        long prompt's prefill costs more than its token count says."""
+        return sum(
+            r.num_tokens * r.start_pos + r.num_tokens * (r.num_tokens + 1) // 2
+            for r in self.scheduled
+            if r.num_tokens > 1
+        )
+
+    @property
     def has_block_ops(self) -> bool:
         return bool(self.blocks_to_swap_out or self.blocks_to_copy or self.blocks_to_swap_in)
 

@@ -68,6 +68,15 @@ class IterationStats:
     finished: list[FinishedRequestStats] = field(default_factory=list)
     # Of ``num_prompt_tokens``: those whose KV the prefix cache held when the sequence was scheduled.
     num_cached_prompt_tokens: int = 0
+    # The step's shape as its cost depends on it (``SchedulerOutput``): sequences feeding more than one
+    # token, the KV positions the one-token slices read, the causal pairs of the longer chunks.
+    num_prefill_seqs: int = 0
+    decode_context_tokens: int = 0
+    prefill_attention_pairs: int = 0
+    # Wall seconds this step held the engine: since the previous step ended when the engine had work
+    # waiting since then (what a running sequence waits between two tokens), else from its own start.
+    # None: not measured (the phase times alone).
+    wall_s: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -86,10 +95,12 @@ def make_iteration_stats(
     num_preemptions: int,
     schedule_s: float,
     update_s: float,
+    wall_s: float | None = None,
 ) -> IterationStats:
     """What one step did: token counts from ``sched_out`` and ``runner_out``, latencies and finished
     sequences from the output processor's ``record`` of the step, the runner's phase times and the
-    core's own (``schedule_s``; ``update_s``: update, detokenization, outputs)."""
+    core's own (``schedule_s``; ``update_s``: update, detokenization, outputs; ``wall_s``: see
+    ``IterationStats.wall_s``)."""
     num_decode_tokens = sched_out.num_decode_tokens
     stats = IterationStats(
         num_batched_tokens=sched_out.num_batched_tokens,
@@ -104,6 +115,10 @@ def make_iteration_stats(
         forward_s=runner_out.forward_s,
         sample_s=runner_out.sample_s,
         update_s=update_s,
+        num_prefill_seqs=sched_out.num_prefill_seqs,
+        decode_context_tokens=sched_out.decode_context_tokens,
+        prefill_attention_pairs=sched_out.prefill_attention_pairs,
+        wall_s=wall_s,
     )
     stats.time_to_first_tokens += record.ttfts
     stats.inter_token_latencies += record.itls

@@ -32,7 +32,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvpilot.engine import metrics_names as m
 from kvpilot.operator.api.settings import Settings
-from kvpilot.operator.plan.candidates import Candidate, CandidateResult, PlanContext, context_of, evaluate
+from kvpilot.operator.plan.candidates import (
+    Candidate,
+    CandidateResult,
+    PlanContext,
+    calibrate_ttft,
+    context_of,
+    evaluate,
+)
 from kvpilot.operator.plan.recording import PlanScrape, RecordingError, intervals_of, parse_plan_scrape
 from kvpilot.operator.plan.step_time import StepTimeError, fit_step_time
 from kvpilot.operator.plan.workload import workload_from_scrapes
@@ -161,8 +168,7 @@ def plan_storm(
             f"too little traffic since the last change: {workload.num_requests} requests "
             f"(plan.minRequests {plan.min_requests})",
         )
-    ctx = context_of(settings, workload)
-    in_force = evaluate(ctx.current, ctx, workload, step_time, seed)
+    ctx, in_force = calibrate_ttft(context_of(settings, workload), workload, step_time, seed)
     if in_force.result is None:
         return PlanVerdict(None, f"the settings in force cannot be simulated: {in_force.error}")
     served = _served_tokens_per_s(scrapes)

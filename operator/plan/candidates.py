@@ -94,6 +94,9 @@ class PlanContext:
     closed_loop: bool = False
     # spec.remediation.slo.ttftP99Seconds: a candidate predicted above it is not picked (None: no SLO).
     ttft_slo_s: float | None = None
+    # Added to every simulated TTFT: the part of the engine's measured TTFT the scheduler's clock does
+    # not see (calibrate_ttft).
+    ttft_overhead_s: float = 0.0
 
 
 def context_of(settings: Settings, workload: Workload, open_loop: bool = False) -> PlanContext:
@@ -273,6 +276,8 @@ def evaluate(
         return CandidateResult(
             candidate, candidate == ctx.current, blocks, gpus, None, math.nan, True, False, str(exc)
         )
+    if ctx.ttft_overhead_s > 0:
+        result = dataclasses.replace(result, ttft_s=tuple(t + ctx.ttft_overhead_s for t in result.ttft_s))
     rate = result.max_preemption_rate(ctx.window_s)
     ttft_p99 = result.ttft(0.99)
     return CandidateResult(
@@ -286,6 +291,34 @@ def evaluate(
         keeps_up=not result.truncated,
         meets_slo=ctx.ttft_slo_s is None or not ttft_p99 > ctx.ttft_slo_s,
     )
+
+
+def calibrate_ttft(
+    ctx: PlanContext, workload: Workload, step_time: StepTime, seed: int = 0
+) -> tuple[PlanContext, CandidateResult]:
+    """The context with ``ttft_overhead_s`` set, and the settings in force evaluated under it.
+
+    The engine measures TTFT from a request's arrival at its front end; the simulated clock starts
+    when the request reaches the scheduler and stops at the end of the step that samples its first
+    token. What lies outside -- handing the request to the engine loop, the loop's share of the
+    interpreter with the server's event loop, turning the token into an output -- is a per-request
+    cost the step time does not hold. It is taken as the recorded mean TTFT less the simulated mean
+    for the settings in force (never below 0: a simulation slower than the recording is left as it
+    is), and added to every candidate's TTFTs."""
+    in_force = evaluate(ctx.current, ctx, workload, step_time, seed)
+    recorded = workload.ttft_mean_s
+    if recorded is None or in_force.result is None or not in_force.result.ttft_s:
+        return ctx, in_force
+    simulated = sum(in_force.result.ttft_s) / len(in_force.result.ttft_s)
+    overhead = max(0.0, recorded - simulated)
+    if overhead <= 0:
+        return ctx, in_force
+    note = (
+        f"TTFT: {overhead * 1e3:.1f} ms per request added to the simulated scheduler's (the recorded mean "
+        f"{recorded * 1e3:.1f} ms less the simulated {simulated * 1e3:.1f} ms of the settings in force)"
+    )
+    calibrated = dataclasses.replace(ctx, ttft_overhead_s=overhead, notes=(*ctx.notes, note))
+    return calibrated, evaluate(ctx.current, calibrated, workload, step_time, seed)
 
 
 def run_plan(

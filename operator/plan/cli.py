@@ -22,6 +22,7 @@ from kvpilot.operator.plan.candidates import (
     Candidate,
     CandidateResult,
     PlanContext,
+    calibrate_ttft,
     candidate_grid,
     context_of,
     pick,
@@ -184,6 +185,8 @@ def plan_document(
                 "a_s": step_time.a,
                 "b_s_per_token": step_time.b,
                 "c_s_per_seq": step_time.c,
+                "d_s_per_decode_context_token": step_time.d,
+                "e_s_per_prefill_pair": step_time.e,
                 "terms": list(step_time.terms),
                 "num_windows": step_time.num_windows,
                 "rmse_s": step_time.rmse_s,
@@ -192,6 +195,7 @@ def plan_document(
             "client_concurrency": ctx.client_concurrency,
             "closed_loop": ctx.closed_loop,
             "ttft_p99_slo_s": ctx.ttft_slo_s,
+            "ttft_overhead_s": ctx.ttft_overhead_s,
             "notes": list(ctx.notes),
             "candidates": [r.as_dict(ctx.current) for r in results],
             "pick": None if chosen is None else results.index(chosen),
@@ -220,7 +224,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
     except (RecordingError, StepTimeError) as exc:
         print(f"error: {args.recording}: {exc}", file=sys.stderr)
         return 1
-    ctx = context_of(settings, workload, open_loop=args.open_loop)
+    ctx, _ = calibrate_ttft(
+        context_of(settings, workload, open_loop=args.open_loop), workload, step_time, args.seed
+    )
     candidates = candidate_grid(ctx, can_resize_pool=not workload.pool.explicit_size)
     results = run_plan(
         ctx, workload, step_time, candidates, args.seed, _progress(len(candidates), not args.no_progress)

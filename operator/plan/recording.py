@@ -1,9 +1,10 @@
 """A recording (the JSON Lines of scrapes ``kvpilot replay`` reads) as the values the plan needs.
 
 Each scrape becomes a :class:`PlanScrape`: the counters and histograms, summed over their series
-(several ``engine`` labels of one pod add up), the gauges, and the KV pool from
-``vllm:cache_config_info``. Consecutive scrapes of one pod make a :class:`Interval` of deltas; an
-interval where a counter fell (a restart) or the histograms' buckets changed is left out.
+(several ``engine`` labels of one pod add up), the gauges, the KV pool from
+``vllm:cache_config_info``, and kvpilot's step counters by phase and batch class. Consecutive scrapes
+of one pod make a :class:`Interval` of deltas; an interval where a counter fell (a restart) or the
+histograms' buckets changed is left out.
 
 Pure: no clock; reading the file is :func:`read_recording`, the one function with I/O.
 """
@@ -26,6 +27,7 @@ from kvpilot.operator.remediation.replay import Record, ReplayError, read_record
 # Histograms (summed over series) and counters the plan reads.
 HISTOGRAMS = (
     m.ITERATION_TOKENS_TOTAL,
+    m.TIME_TO_FIRST_TOKEN_SECONDS,
     m.INTER_TOKEN_LATENCY_SECONDS,
     m.REQUEST_PROMPT_TOKENS,
     m.REQUEST_GENERATION_TOKENS,
@@ -51,6 +53,9 @@ class PlanScrape:
     histograms: Mapping[str, Histogram]
     cache_info: Mapping[str, str]
     pool_info: Mapping[str, str] = dataclasses.field(default_factory=dict)  # kvpilot_kv_pool_info
+    # kvpilot's engine only: its step counters (m.ENGINE_STEP_COUNTERS, in that order) by
+    # (phase, batch class), summed over the ``engine`` labels.
+    step_counters: Mapping[tuple[str, str], tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def in_flight(self) -> float | None:
@@ -72,6 +77,8 @@ class Interval:
     histograms: Mapping[str, Histogram]
     before: PlanScrape
     after: PlanScrape
+    # The step counters' increases by (phase, batch class), as in PlanScrape.step_counters.
+    step_counters: Mapping[tuple[str, str], tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -95,6 +102,9 @@ def _samples(metrics: Any) -> Iterable[tuple[str, dict[str, str], float]]:
                 yield str(name), dict(labels or {}), float(value)
 
 
+# kvpilot's step counters, by name: their place in PlanScrape.step_counters' tuples.
+_STEP_INDEX = {name: i for i, name in enumerate(m.ENGINE_STEP_COUNTERS)}
+
 # Gauges bounded above as well (a fraction).
 _AT_MOST_ONE = (m.KV_CACHE_USAGE_PERC,)
 
@@ -113,19 +123,29 @@ def parse_plan_scrape(record: Record) -> PlanScrape:
     parts: dict[str, dict[str, Any]] = {}
     cache_info: dict[str, str] = {}
     pool_info: dict[str, str] = {}
+    steps: dict[tuple[str, str], list[float]] = {}
     invalid: list[str] = []
     try:
         for name, labels, value in _samples(record.metrics):
             canonical = m.canonical_name(name)
             part_of = m.canonical_name(name.rsplit("_", 1)[0])  # a histogram's, for its samples
-            read = canonical in COUNTERS or canonical in GAUGES or part_of in HISTOGRAMS
+            step_index = _STEP_INDEX.get(name)
+            read = (
+                canonical in COUNTERS
+                or canonical in GAUGES
+                or part_of in HISTOGRAMS
+                or step_index is not None
+            )
             if read and not (math.isfinite(value) and value >= 0):
                 invalid.append(f"{name}{_label_text(labels)}={value:g}")
                 continue
             if canonical in _AT_MOST_ONE and value > 1:
                 invalid.append(f"{name}{_label_text(labels)}={value:g}")
                 continue
-            if canonical in COUNTERS:
+            if step_index is not None:
+                key = (labels.get(m.LABEL_PHASE, ""), labels.get(m.LABEL_NUM_SEQS, ""))
+                steps.setdefault(key, [0.0] * len(m.ENGINE_STEP_COUNTERS))[step_index] += value
+            elif canonical in COUNTERS:
                 counters[canonical] = counters.get(canonical, 0.0) + value
             elif canonical in GAUGES:
                 gauges[canonical] = gauges.get(canonical, 0.0) + value
@@ -162,7 +182,10 @@ def parse_plan_scrape(record: Record) -> PlanScrape:
             f"{record.pod} at {record.time:.3f}: samples no healthy engine exports, which the policy "
             f"refuses to act on, so no plan is built on them: {invalid[0]}{more}"
         )
-    return PlanScrape(record.time, record.pod, counters, gauges, histograms, cache_info, pool_info)
+    step_counters = {key: tuple(values) for key, values in steps.items()}
+    return PlanScrape(
+        record.time, record.pod, counters, gauges, histograms, cache_info, pool_info, step_counters
+    )
 
 
 def intervals_of(scrapes: Iterable[PlanScrape]) -> list[Interval]:
@@ -192,7 +215,15 @@ def intervals_of(scrapes: Iterable[PlanScrape]) -> list[Interval]:
                         histograms[name] = delta
             if any(name in after.histograms and name not in histograms for name in before.histograms):
                 continue  # a histogram fell: restarted
-            out.append(Interval(pod, before.time, after.time, counters, histograms, before, after))
+            steps = {
+                key: tuple(
+                    a - b for a, b in zip(after.step_counters[key], before.step_counters[key], strict=True)
+                )
+                for key in after.step_counters.keys() & before.step_counters.keys()
+            }
+            if any(v < 0 for values in steps.values() for v in values):
+                continue  # restarted
+            out.append(Interval(pod, before.time, after.time, counters, histograms, before, after, steps))
     return sorted(out, key=lambda i: (i.start, i.pod))
 
 

@@ -17,9 +17,10 @@ simulation adds is only the clock (``step_time``) and the token values (which de
 ``ignore_eos``). ``tests/operator/test_plan_simulate.py`` checks the decisions against a real
 ``LLMEngine`` step for step.
 
-Clock: a step scheduled at ``now`` ends at ``now + step_seconds(tokens, seqs)``; its sampled tokens
-are stamped with that end time. Arrivals up to the start of a step are queued before it; with
-nothing to run the clock jumps to the next arrival.
+Clock: a step scheduled at ``now`` ends at ``now + step_seconds(tokens, seqs, context, pairs)`` (the
+step's shape as ``SchedulerOutput`` counts it); its sampled tokens are stamped with that end time.
+Arrivals up to the start of a step are queued before it; with nothing to run the clock jumps to the
+next arrival.
 """
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ class SimulationError(ValueError):
 class StepTime(Protocol):
     """How long one engine step takes (seconds), from what the step runs."""
 
-    def step_seconds(self, num_batched_tokens: int, num_seqs: int) -> float: ...
+    def step_seconds(
+        self,
+        num_batched_tokens: int,
+        num_seqs: int,
+        decode_context_tokens: int = 0,
+        prefill_attention_pairs: int = 0,
+    ) -> float: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +381,9 @@ def simulate(
                 f"the scheduler cannot run any of {len(sched.requests)} queued request(s) with {settings}"
             )
         num_steps += 1
-        duration = step_time.step_seconds(out.num_batched_tokens, len(out.scheduled))
+        duration = step_time.step_seconds(
+            out.num_batched_tokens, len(out.scheduled), out.decode_context_tokens, out.prefill_attention_pairs
+        )
         if not duration > 0:
             raise SimulationError(f"the step-time model gave {duration!r} s for a step; it must be positive")
         now += duration

@@ -3,28 +3,34 @@
 The model::
 
     step_seconds = a + b * num_batched_tokens + c * num_seqs
+                   + d * decode_context_tokens + e * prefill_attention_pairs
 
 ``a`` is the fixed cost of a step (scheduling, launch, sampling setup), ``b`` the cost of one token
-through the model (prefill-dominated steps), ``c`` the cost of one sequence in the batch (attention
-over its KV, the sampler, per-request bookkeeping). All three are kept non-negative.
+through the model's dense layers, ``c`` the cost of one sequence in the batch (the sampler, per-request
+bookkeeping), ``d`` the cost of one KV position a one-token slice (a decode) reads, ``e`` the cost of
+one causal (query, key) pair of a longer chunk (a prompt's prefill: quadratic in its length). All are
+kept non-negative. The shape terms are ``SchedulerOutput``'s own (``decode_context_tokens``,
+``prefill_attention_pairs``), so the simulator prices a step with the same arithmetic the engine
+counted it with.
 
-It is fitted by weighted least squares over the windows of a recording (the intervals between two
-scrapes of one pod), each a :class:`StepWindow` read from counters every engine exports, kvpilot
-and vLLM alike: the steps and their batched tokens from the ``vllm:iteration_tokens_total``
-histogram (count, sum), the sequences that sampled from ``vllm:generation_tokens_total`` (one token
-per sampling sequence per step), and the time those steps took -- the window's length when the
-engine was busy throughout it (requests running at both ends), else the mean
-``vllm:inter_token_latency_seconds`` (each inter-token gap spans one step of the request's batch).
-Each window weighs as many steps as it holds.
+It is fitted by weighted least squares over windows, each a :class:`StepWindow`: ``num_steps`` steps
+with their totals. Two sources, best first:
 
-What it captures: the linear trend of step time in tokens per step and batch size, which is what
-decides how fast a queue drains and how long a request holds its KV blocks. What it cannot capture:
-the curvature of attention in context length (long contexts cost more per sequence than short
-ones), the difference between a prefill token and a decode token beyond the per-sequence term,
-CUDA-graph batch-size buckets, swap and copy time, and anything the recording never exercised
-(batch sizes or token counts outside those seen extrapolate linearly). Windows are averages, so
-the fit sees per-window means, not single steps; with fewer distinct windows than terms the terms
-the data cannot tell apart are dropped (``terms``).
+* kvpilot's engine counts its steps by phase and batch class (``kvpilot_engine_step*_total``): each
+  (interval, class) series is one window with every total exact, the attention terms included. The
+  classes spread the windows over batch sizes and prompt lengths even when every interval of a
+  recording looks alike (a storm), which is what lets the per-sequence and attention terms be told
+  apart from the fixed cost.
+* Any engine (vLLM too): the steps and their batched tokens from the ``vllm:iteration_tokens_total``
+  histogram (count, sum), the sequences that sampled from ``vllm:generation_tokens_total``, and the
+  time those steps took -- the interval's length when the engine was busy throughout it, else the
+  mean ``vllm:inter_token_latency_seconds`` per step. No attention terms (their totals are unknown:
+  ``shape_known`` False), so ``d`` and ``e`` are not fitted.
+
+Each window weighs as many steps as it holds. What it cannot capture: CUDA-graph batch-size buckets,
+swap and copy time, and anything the recording never exercised (shapes outside those seen extrapolate
+linearly in the terms). With fewer distinct windows than terms, the terms the data cannot tell apart
+are dropped (``terms``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-TERMS = ("a", "b", "c")
+TERMS = ("a", "b", "c", "d", "e")
+# The order terms are given up in when the data cannot support them: the finest first.
+_DROP_ORDER = ("e", "d", "c", "b", "a")
 
 
 class StepTimeError(ValueError):
@@ -42,13 +50,18 @@ class StepTimeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class StepWindow:
-    """One interval of a recording: ``num_steps`` engine steps that fed ``num_batched_tokens`` tokens
-    in all, sampled ``num_sampled_tokens`` tokens in all and took ``seconds`` in all."""
+    """``num_steps`` engine steps that fed ``num_batched_tokens`` tokens in all, ran
+    ``num_sampled_tokens`` sequence slots in all (one sampled token each; the sequences of the steps)
+    and took ``seconds`` in all; with ``shape_known``, also the KV positions their one-token slices read
+    (``decode_context_tokens``) and the causal pairs of their longer chunks (``prefill_attention_pairs``)."""
 
     num_steps: float
     num_batched_tokens: float
     num_sampled_tokens: float
     seconds: float
+    decode_context_tokens: float = 0.0
+    prefill_attention_pairs: float = 0.0
+    shape_known: bool = False
 
     @property
     def tokens_per_step(self) -> float:
@@ -67,33 +80,64 @@ class StepWindow:
         """Generation throughput in the window, at its batch size ``seqs_per_step``."""
         return self.num_sampled_tokens / self.seconds
 
+    def features(self) -> dict[str, float]:
+        """The per-step means the model's terms multiply."""
+        n = self.num_steps
+        return {
+            "a": 1.0,
+            "b": self.num_batched_tokens / n,
+            "c": self.num_sampled_tokens / n,
+            "d": self.decode_context_tokens / n,
+            "e": self.prefill_attention_pairs / n,
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class LinearStepTime:
-    """``step_seconds = a + b * num_batched_tokens + c * num_seqs``; ``terms``: the coefficients the
-    fit estimated (the others are 0 because the data could not tell them apart), ``rmse_s`` the
-    step-weighted root-mean-square error over the windows it was fitted on (None: not fitted)."""
+    """``step_seconds = a + b * tokens + c * seqs + d * decode_context + e * prefill_pairs``;
+    ``terms``: the coefficients the fit estimated (the others are 0 because the data could not tell them
+    apart), ``rmse_s`` the step-weighted root-mean-square error over the windows it was fitted on (None:
+    not fitted)."""
 
     a: float
     b: float = 0.0
     c: float = 0.0
-    terms: tuple[str, ...] = TERMS
+    d: float = 0.0
+    e: float = 0.0
+    terms: tuple[str, ...] = TERMS[:3]
     num_windows: int = 0
     rmse_s: float | None = None
 
     def __post_init__(self) -> None:
-        values = (self.a, self.b, self.c)
-        if not all(math.isfinite(v) and v >= 0 for v in values) or self.a + self.b + self.c <= 0:
+        values = (self.a, self.b, self.c, self.d, self.e)
+        if not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
             raise StepTimeError(f"step-time coefficients must be finite, >= 0 and not all 0, got {values}")
 
-    def step_seconds(self, num_batched_tokens: int, num_seqs: int) -> float:
-        seconds = self.a + self.b * num_batched_tokens + self.c * num_seqs
+    def step_seconds(
+        self,
+        num_batched_tokens: int,
+        num_seqs: int,
+        decode_context_tokens: int = 0,
+        prefill_attention_pairs: int = 0,
+    ) -> float:
+        seconds = (
+            self.a
+            + self.b * num_batched_tokens
+            + self.c * num_seqs
+            + self.d * decode_context_tokens
+            + self.e * prefill_attention_pairs
+        )
         # A step always takes some time: without a fixed cost, one token of one sequence is the floor.
-        return seconds if seconds > 0 else self.b + self.c
+        return seconds if seconds > 0 else self.b + self.c + self.d
 
     def describe(self) -> str:
+        parts = [f"{self.a * 1e3:.3f} ms", f"{self.b * 1e6:.3f} us/token", f"{self.c * 1e6:.3f} us/seq"]
+        if self.d or "d" in self.terms:
+            parts.append(f"{self.d * 1e9:.3f} ns/context token")
+        if self.e or "e" in self.terms:
+            parts.append(f"{self.e * 1e9:.3f} ns/prefill pair")
         return (
-            f"step = {self.a * 1e3:.3f} ms + {self.b * 1e6:.3f} us/token + {self.c * 1e6:.3f} us/seq "
+            f"step = {' + '.join(parts)} "
             f"(fitted on {self.num_windows} window(s), terms {'+'.join(self.terms)}"
             + (f", rmse {self.rmse_s * 1e3:.3f} ms)" if self.rmse_s is not None else ")")
         )
@@ -101,10 +145,11 @@ class LinearStepTime:
 
 def fit_step_time(windows: Sequence[StepWindow]) -> LinearStepTime:
     """The non-negative weighted least-squares fit of :class:`LinearStepTime` to ``windows``
-    (weights: their step counts). Windows without steps or time are skipped. Terms whose estimate
-    comes out negative, or that the windows cannot separate from the others, are dropped one at a
-    time (the per-sequence term first, then the per-token one, then the intercept) and the rest
-    refitted; with one term left that still fails, the model is the step-weighted mean step time.
+    (weights: their step counts). Windows without steps or time are skipped. The attention terms are
+    fitted only when every window knows its shape. Terms whose estimate comes out negative, or that
+    the windows cannot separate from the others, are dropped one at a time (the finest first:
+    prefill pairs, decode context, per sequence, per token, then the intercept) and the rest refitted;
+    with one term left that still fails, the model is the step-weighted mean step time.
 
     Raises StepTimeError when no window holds a step."""
     usable = [
@@ -117,7 +162,7 @@ def fit_step_time(windows: Sequence[StepWindow]) -> LinearStepTime:
     ]
     if not usable:
         raise StepTimeError("no window of the recording holds engine steps with their time")
-    terms = list(TERMS)
+    terms = list(TERMS if all(w.shape_known for w in usable) else TERMS[:3])
     while True:
         solution = _weighted_lstsq(usable, terms)
         if solution is not None and all(v >= 0 for v in solution.values()) and sum(solution.values()) > 0:
@@ -126,45 +171,52 @@ def fit_step_time(windows: Sequence[StepWindow]) -> LinearStepTime:
             # The intercept alone: the step-weighted mean step time, positive by construction.
             terms, solution = ["a"], {"a": sum(w.seconds for w in usable) / sum(w.num_steps for w in usable)}
             break
-        if solution is None:  # the windows cannot separate the terms: the finer ones go first
-            drop = next(t for t in ("c", "b", "a") if t in terms)
+        if solution is None:
+            # The windows cannot separate the terms: drop the finest one whose removal lets them (a
+            # column no window exercises, or one that moves in step with another), else the finest.
+            drop = next(
+                (
+                    t
+                    for t in _DROP_ORDER
+                    if t in terms and _weighted_lstsq(usable, [u for u in terms if u != t])
+                ),
+                next(t for t in _DROP_ORDER if t in terms),
+            )
         else:
-            drop = next(t for t in ("c", "b", "a") if t in terms and solution[t] < 0)
+            drop = next(t for t in _DROP_ORDER if t in terms and solution[t] < 0)
         terms.remove(drop)
-    model = LinearStepTime(
-        a=solution.get("a", 0.0), b=solution.get("b", 0.0), c=solution.get("c", 0.0), terms=tuple(terms)
-    )
+    model = LinearStepTime(**{t: solution.get(t, 0.0) for t in TERMS}, terms=tuple(terms))
     total_steps = sum(w.num_steps for w in usable)
-    sse = sum(
-        w.num_steps * (w.step_seconds - _predict(model, w.tokens_per_step, w.seqs_per_step)) ** 2
-        for w in usable
-    )
+    sse = sum(w.num_steps * (w.step_seconds - _predict(model, w)) ** 2 for w in usable)
     return dataclasses.replace(model, num_windows=len(usable), rmse_s=math.sqrt(sse / total_steps))
 
 
-def _predict(model: LinearStepTime, tokens: float, seqs: float) -> float:
-    return model.a + model.b * tokens + model.c * seqs
-
-
-def _features(w: StepWindow, terms: Sequence[str]) -> list[float]:
-    values = {"a": 1.0, "b": w.tokens_per_step, "c": w.seqs_per_step}
-    return [values[t] for t in terms]
+def _predict(model: LinearStepTime, w: StepWindow) -> float:
+    x = w.features()
+    return sum(getattr(model, t) * x[t] for t in TERMS)
 
 
 def _weighted_lstsq(windows: Sequence[StepWindow], terms: Sequence[str]) -> dict[str, float] | None:
     """Solve the normal equations of the step-weighted fit over ``terms``; None when they are singular
-    (the windows do not separate the terms)."""
+    (the windows do not separate the terms). Each column is scaled to a largest value of 1 first: the
+    attention totals run to millions per step where the intercept's column is 1."""
     k = len(terms)
+    rows = [([w.features()[t] for t in terms], w.num_steps, w.step_seconds) for w in windows]
+    scale = [max(abs(x[i]) for x, _, _ in rows) for i in range(k)]
+    if any(s == 0 for s in scale):
+        return None  # a term no window exercises
     xtx = [[0.0] * k for _ in range(k)]
     xty = [0.0] * k
-    for w in windows:
-        x = _features(w, terms)
+    for x, weight, y in rows:
+        x = [v / s for v, s in zip(x, scale, strict=True)]
         for i in range(k):
-            xty[i] += w.num_steps * x[i] * w.step_seconds
+            xty[i] += weight * x[i] * y
             for j in range(k):
-                xtx[i][j] += w.num_steps * x[i] * x[j]
+                xtx[i][j] += weight * x[i] * x[j]
     solution = _solve(xtx, xty)
-    return None if solution is None else dict(zip(terms, solution, strict=True))
+    if solution is None:
+        return None
+    return {t: v / s for t, v, s in zip(terms, solution, scale, strict=True)}
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:

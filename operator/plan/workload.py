@@ -211,6 +211,10 @@ class Workload:
     # The requests as a per-request trace recorded them (``kvpilot serve --request-trace``), used
     # instead of the histograms' distributions when given (``with_trace``).
     trace: tuple[Arrival, ...] | None = None
+    # The mean of the recorded vllm:time_to_first_token_seconds over the recording (None: not
+    # exported, or no first token in it): what the engine measured from a request's arrival, which
+    # includes time the simulated scheduler does not see (see candidates.calibrate_ttft).
+    ttft_mean_s: float | None = None
 
     @property
     def preemptions_per_s(self) -> float:
@@ -292,13 +296,21 @@ def _merged(intervals: Sequence[Interval], index: int, name: str) -> Histogram |
     return total
 
 
-def step_window_of(interval: Interval) -> StepWindow | None:
-    """The engine steps of an interval and the time they took (see ``step_time``), or None when the
-    interval lacks the counts or their time."""
+def step_windows_of(interval: Interval) -> list[StepWindow]:
+    """The engine steps of an interval and the time they took (see ``step_time``): one window per
+    (phase, batch class) from kvpilot's step counters when the interval has them, else one window from
+    the counters every engine exports; none when the interval lacks the counts or their time."""
+    classes = [
+        StepWindow(steps, tokens, seqs, seconds, context, pairs, shape_known=True)
+        for steps, seconds, tokens, seqs, context, pairs in interval.step_counters.values()
+        if steps > 0 and seconds > 0
+    ]
+    if interval.step_counters:
+        return classes  # exact where the engine counts its steps (none: an idle interval)
     iterations = interval.histograms.get(m.ITERATION_TOKENS_TOTAL)
     generated = interval.counters.get(m.GENERATION_TOKENS_TOTAL)
     if iterations is None or iterations.count <= 0 or generated is None:
-        return None
+        return []
     running_before = interval.before.gauges.get(m.NUM_REQUESTS_RUNNING, 0.0)
     running_after = interval.after.gauges.get(m.NUM_REQUESTS_RUNNING, 0.0)
     if running_before > 0 and running_after > 0:
@@ -306,9 +318,9 @@ def step_window_of(interval: Interval) -> StepWindow | None:
     else:
         itl = interval.histograms.get(m.INTER_TOKEN_LATENCY_SECONDS)
         if itl is None or itl.count <= 0:
-            return None
+            return []
         seconds = itl.sum / itl.count * iterations.count
-    return StepWindow(iterations.count, iterations.sum, generated, seconds)
+    return [StepWindow(iterations.count, iterations.sum, generated, seconds)]
 
 
 def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
@@ -374,7 +386,7 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
     if not windows:
         detail = f" (missing: {'; '.join(lacking)})" if lacking else ""
         raise RecordingError(f"no request finished in the recording: nothing to plan for{detail}")
-    step_windows = tuple(w for w in (step_window_of(i) for i in intervals) if w is not None)
+    step_windows = tuple(w for i in intervals for w in step_windows_of(i))
     return Workload(
         windows=tuple(windows),
         pool=pool,
@@ -384,7 +396,19 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         num_preemptions=sum(i.counters.get(m.NUM_PREEMPTIONS_TOTAL, 0.0) for i in intervals),
         peak_in_flight=_peak_in_flight(scrapes),
         saturated=_saturated(scrapes),
+        ttft_mean_s=_mean_of(intervals, m.TIME_TO_FIRST_TOKEN_SECONDS),
     )
+
+
+def _mean_of(intervals: Sequence[Interval], name: str) -> float | None:
+    """The mean observation of histogram ``name`` over the intervals, None without observations."""
+    count = total = 0.0
+    for interval in intervals:
+        h = interval.histograms.get(name)
+        if h is not None and h.count > 0:
+            count += h.count
+            total += h.sum
+    return total / count if count > 0 else None
 
 
 def _saturated(scrapes: Sequence[PlanScrape]) -> bool:

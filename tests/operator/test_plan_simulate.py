@@ -36,7 +36,7 @@ class FixedStep:
 
     seconds: float = 1.0
 
-    def step_seconds(self, num_batched_tokens: int, num_seqs: int) -> float:
+    def step_seconds(self, num_batched_tokens: int, num_seqs: int, *shape: int) -> float:
         return self.seconds
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -95,3 +96,62 @@ def test_step_seconds_and_describe() -> None:
     assert TRUE.step_seconds(1000, 10) == pytest.approx(0.004 + 0.02 + 0.003)
     assert LinearStepTime(a=0.0, b=1e-5).step_seconds(0, 0) == 1e-5  # never zero
     assert "4.000 ms" in TRUE.describe()
+
+
+# The engine's own step counters give each window its attention totals (shape_known).
+SHAPED = LinearStepTime(a=3e-4, b=1.5e-5, c=6e-5, d=2e-7, e=5e-8, terms=("a", "b", "c", "d", "e"))
+
+
+def _shaped(seqs: int, prompt: int, context: int, steps: int = 50) -> StepWindow:
+    """``steps`` steps of ``seqs`` decodes at ``context`` positions each, plus one fresh prompt of
+    ``prompt`` tokens per step when ``prompt`` > 0."""
+    tokens = seqs + prompt
+    ctx = seqs * context
+    pairs = prompt * (prompt + 1) // 2
+    step = SHAPED.step_seconds(tokens, seqs + (prompt > 0), ctx, pairs)
+    return StepWindow(
+        steps, tokens * steps, (seqs + (prompt > 0)) * steps, step * steps, ctx * steps, pairs * steps, True
+    )
+
+
+def test_shaped_windows_give_the_attention_terms() -> None:
+    windows = [
+        _shaped(s, p, c)
+        for s, p, c in [
+            (1, 0, 16),
+            (4, 0, 16),
+            (8, 0, 40),
+            (4, 0, 1800),
+            (1, 300, 300),
+            (2, 1500, 200),
+            (0, 1000, 0),
+        ]
+    ]
+    model = fit_step_time(windows)
+    assert model.terms == ("a", "b", "c", "d", "e")
+    for name in ("a", "b", "c", "d", "e"):
+        assert getattr(model, name) == pytest.approx(getattr(SHAPED, name), rel=1e-6), name
+    # A 2,000-token prompt: the pairs term is most of it, which a per-token term alone cannot give.
+    assert model.step_seconds(2000, 1, 0, 2000 * 2001 // 2) > 4 * (model.a + 2000 * model.b + model.c)
+    assert "ns/prefill pair" in model.describe()
+
+
+def test_windows_without_the_shape_fit_the_three_older_terms() -> None:
+    """vLLM's recordings carry no attention totals: d and e are not fitted, whatever else the windows say."""
+    windows = [
+        dataclasses.replace(_shaped(s, p, c), shape_known=False)
+        for s, p, c in [(1, 0, 16), (4, 0, 16), (8, 0, 40), (1, 300, 300), (2, 1500, 200)]
+    ]
+    model = fit_step_time(windows)
+    assert set(model.terms) <= {"a", "b", "c"}
+    assert model.d == model.e == 0.0
+
+
+def test_collinear_tokens_and_seqs_keep_the_attention_terms() -> None:
+    """Decode-only windows move tokens and sequences together; the fit gives up the per-sequence term
+    (its effect goes to the per-token one), not the attention terms the windows do separate."""
+    windows = [_shaped(s, 0, c) for s, c in [(1, 16), (4, 16), (8, 40), (4, 1800), (2, 900)]]
+    model = fit_step_time(windows)
+    assert "c" not in model.terms and "d" in model.terms
+    assert model.d == pytest.approx(SHAPED.d, rel=1e-6)
+    assert model.b == pytest.approx(SHAPED.b + SHAPED.c, rel=1e-6)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.engine import metrics_names as m
 from kvpilot.operator.plan.recording import RecordingError, intervals_of, read_recording
+from kvpilot.operator.plan.step_time import fit_step_time
 from kvpilot.operator.plan.workload import KVPool, workload_from_scrapes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-storm.jsonl.gz"
@@ -191,6 +193,51 @@ def test_step_windows_from_busy_and_idle_intervals(tmp_path) -> None:
     assert windows[1].output_tokens_per_s == 400
 
 
+def _with_step_counters(body: str, k: int) -> str:
+    """``body`` plus kvpilot's step counters after ``k`` seconds: each second 60 decode steps of 3-4
+    sequences (3 each, 10 ms, context 100 per sequence) and 5 prefill steps of one 200-token prompt
+    (40 ms each), on two ``engine`` labels that add up."""
+    per_s = {
+        ("decode", "3-4"): (60, 0.6, 180, 180, 18000, 0),
+        ("prefill", "1"): (5, 0.2, 1000, 5, 0, 5 * 200 * 201 // 2),
+    }
+    lines = []
+    for (phase, batch), values in per_s.items():
+        for name, value in zip(m.ENGINE_STEP_COUNTERS, values, strict=True):
+            for engine in ("0", "1"):
+                labels = f'engine="{engine}",model_name="m",num_seqs="{batch}",phase="{phase}"'
+                lines.append(f"{name}{{{labels}}} {value * k / 2}")
+    return body + "\n".join(lines) + "\n"
+
+
+def test_step_windows_from_the_engines_step_counters(tmp_path) -> None:
+    bodies = [(1000.0 + k, "pod-a", _with_step_counters(_scrape(k), k)) for k in range(4)]
+    bodies += [(1004.0 + k, "pod-a", _with_step_counters(_scrape(k), k)) for k in range(2)]  # restarted
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    windows = workload.step_windows
+    # One window per class and interval, exact: the three intervals before the restart and the one after
+    # (the interval across the restart is left out, as the other counters' are).
+    assert len(windows) == 2 * 4
+    assert all(w.shape_known for w in windows)
+    decode = [w for w in windows if w.prefill_attention_pairs == 0]
+    prefill = [w for w in windows if w.prefill_attention_pairs > 0]
+    assert {w.num_steps for w in decode} == {60} and {w.num_steps for w in prefill} == {5}
+    assert decode[0].step_seconds == pytest.approx(0.01) and decode[0].seqs_per_step == 3
+    assert decode[0].decode_context_tokens / decode[0].num_steps == 300
+    assert prefill[0].step_seconds == pytest.approx(0.04) and prefill[0].tokens_per_step == 200
+    step_time = fit_step_time(windows)
+    assert step_time.step_seconds(3, 3, 300, 0) == pytest.approx(0.01, rel=1e-6)
+    assert step_time.step_seconds(200, 1, 0, 200 * 201 // 2) == pytest.approx(0.04, rel=1e-6)
+
+
+def test_a_negative_step_counter_is_refused(tmp_path) -> None:
+    bodies = [(1000.0 + k, "p", _with_step_counters(_scrape(k), k)) for k in range(3)]
+    bodies[1] = (bodies[1][0], "p", bodies[1][2].replace(" 30.0\n", " -30.0\n", 1))
+    with pytest.raises(RecordingError, match="no plan is built on them") as info:
+        read_recording(_write(tmp_path, bodies))
+    assert "kvpilot_engine_step" in str(info.value) and "=-30" in str(info.value)
+
+
 def test_pods_add_up_and_a_restart_is_left_out(tmp_path) -> None:
     bodies = [(1000.0 + k, "pod-a", _scrape(k)) for k in range(11)]
     bodies += [(1000.2 + k, "pod-b", _scrape(k)) for k in range(6)]
@@ -295,3 +342,43 @@ def test_a_recording_with_invalid_samples_is_refused(tmp_path, line_start, new_l
     assert "\n" not in str(info.value)
     # The same recording without the spoiled scrape is usable.
     assert workload_from_scrapes(read_recording(_write(tmp_path, bodies[:2] + bodies[3:], "ok.jsonl")))
+
+
+@pytest.mark.parametrize("recorded_ttft_s", [0.5, 1e-6], ids=["engine-slower", "engine-faster"])
+def test_ttft_overhead_is_calibrated_on_the_settings_in_force(tmp_path, recorded_ttft_s) -> None:
+    """The recorded mean TTFT above the simulated one: the difference is added to every simulated
+    TTFT, so the settings in force come out at the recorded mean; below it, nothing is taken off."""
+    from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.plan.candidates import calibrate_ttft, context_of, evaluate
+
+    bodies = []
+    for k in range(11):
+        ttft = _histogram("vllm:time_to_first_token_seconds", (0.001, 0.1, 1.0), recorded_ttft_s, 5 * k)
+        bodies.append((1000.0 + k, "pod-a", _scrape(k) + "\n".join(ttft) + "\n"))
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert workload.ttft_mean_s == pytest.approx(recorded_ttft_s)
+    doc = {
+        "apiVersion": "serving.kvpilot.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
+        "spec": {"model": {"source": "pvc://models/llm"}, "engine": {"maxModelLen": 512, "blockSize": 16}},
+    }
+    step_time = fit_step_time(workload.step_windows)
+    plain = context_of(resolve(doc), workload)
+    bare = evaluate(plain.current, plain, workload, step_time).result
+    simulated_mean = sum(bare.ttft_s) / len(bare.ttft_s)
+    ctx, in_force = calibrate_ttft(plain, workload, step_time)
+    if recorded_ttft_s > simulated_mean:
+        assert ctx.ttft_overhead_s == pytest.approx(recorded_ttft_s - simulated_mean)
+        mean = sum(in_force.result.ttft_s) / len(in_force.result.ttft_s)
+        assert mean == pytest.approx(recorded_ttft_s)
+        assert any("per request added" in note for note in ctx.notes)
+        # Every candidate gets the same per-request cost on top of its own simulated TTFT.
+        other = dataclasses.replace(ctx.current, max_num_seqs=1)
+        shifted = evaluate(other, ctx, workload, step_time).result.ttft_s
+        unshifted = evaluate(other, plain, workload, step_time).result.ttft_s
+        assert [a - b for a, b in zip(shifted, unshifted, strict=True)] == pytest.approx(
+            [ctx.ttft_overhead_s] * len(shifted)
+        )
+    else:
+        assert ctx == plain and in_force.result.ttft_s == bare.ttft_s
