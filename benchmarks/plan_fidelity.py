@@ -24,17 +24,21 @@ Workloads:
 
 * ``storm``: the demo's (8 closed-loop streaming clients, 16-token prompts, 96 tokens each, a pool
   of ~14 blocks of 16 tokens where the load needs 56);
-* ``long``: open-loop arrivals of 300-1500-token prompts with 8-24 output tokens (max_model_len 2048);
-* ``steady``: open-loop mixed lengths on a pool large enough for them (no storm in force);
+* ``long``: open-loop arrivals (3/s) of 300-1500-token prompts with 8-24 output tokens
+  (max_model_len 2048);
+* ``steady``: open-loop mixed lengths (3/s) on a pool large enough for them (no storm in force);
 * ``vllm``: the recorded vLLM 0.32 storm (``tests/operator/fixtures/vllm-0.32-cpu-storm.jsonl.gz``):
   predicted vs recorded for the settings in force only (no other vLLM setting can be run here).
+
+The open-loop workloads run 2.4 times as long as the storm (60 s by default), so that their TTFT
+p99 rests on more than 100 requests rather than on the slowest one.
 
 Closed-loop clients send their next request when the previous one ends, so a faster setting gets
 more requests; the plan replays the recorded arrival times (capped at the recorded concurrency), or,
 where the recorded queue never emptied, every request as soon as the cap allows (closed-loop). Open-
 loop workloads are planned with ``open_loop``.
 
-    python benchmarks/plan_fidelity.py            # ~8 minutes on 2 cores; JSON to results/plan_fidelity.json
+    python benchmarks/plan_fidelity.py            # ~10 minutes on 2 cores; JSON to results/plan_fidelity.json
     python benchmarks/plan_fidelity.py --quick    # shorter runs
 """
 
@@ -113,6 +117,9 @@ class Case:
     blocks_in_force: int
     load: Load
     others: tuple[Setting, ...]
+    # Runs this many times the base duration: an open-loop workload needs more than 100 requests for
+    # its p99 to be other than its slowest request.
+    duration_factor: float = 1.0
 
 
 CASES = (
@@ -127,11 +134,12 @@ CASES = (
         "long",
         {"maxModelLen": 2048, "maxNumBatchedTokens": 2048, "maxNumSeqs": 8, "blockSize": 16},
         320,
-        Load("open", (300, 1500), (8, 24), rate=1.5),
+        Load("open", (300, 1500), (8, 24), rate=3.0),
         (
             Setting("maxNumBatchedTokens 512", engine={"maxNumBatchedTokens": 512}),
             Setting("maxNumSeqs 2", engine={"maxNumSeqs": 2}),
         ),
+        duration_factor=2.4,
     ),
     Case(
         "steady",
@@ -139,6 +147,7 @@ CASES = (
         200,
         Load("open", (16, 200), (16, 128), rate=3.0),
         (Setting("less memory (36 blocks)", blocks=36), Setting("maxNumSeqs 2", engine={"maxNumSeqs": 2})),
+        duration_factor=2.4,
     ),
 )
 
@@ -599,8 +608,9 @@ def main(argv: list[str] | None = None) -> int:
             build_checkpoint(model, size="test", dtype="float32", max_position_embeddings=2048)
         for case in CASES:
             if case.name in wanted:
-                print(f"{case.name}: {len(case.others) + 1} settings x {duration:g}s", flush=True)
-                rows += run_case(case, model, workdir, duration, args.seed)
+                seconds = duration * case.duration_factor
+                print(f"{case.name}: {len(case.others) + 1} settings x {seconds:g}s", flush=True)
+                rows += run_case(case, model, workdir, seconds, args.seed)
     if "vllm" in wanted:
         rows += vllm_case()
     print()

@@ -99,6 +99,17 @@ class SchedulerOutput:
             if r.num_tokens > 1
         )
 
+    def attention_shape(self) -> tuple[int, int]:
+        """(``decode_context_tokens``, ``prefill_attention_pairs``) in one pass over the batch."""
+        context = pairs = 0
+        for r in self.scheduled:
+            n = r.num_tokens
+            if n == 1:
+                context += r.start_pos + 1
+            else:
+                pairs += n * r.start_pos + n * (n + 1) // 2
+        return context, pairs
+
     @property
     def has_block_ops(self) -> bool:
         return bool(self.blocks_to_swap_out or self.blocks_to_copy or self.blocks_to_swap_in)

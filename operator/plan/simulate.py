@@ -61,6 +61,10 @@ class StepTime(Protocol):
     ) -> float: ...
 
 
+# A StepTime may say it ignores the attention totals (``uses_attention_shape`` False): the simulator
+# then skips counting them.
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
     """The knobs one engine replica runs with (the engine's names; see ``EngineArgs``)."""
@@ -341,6 +345,8 @@ def simulate(
     Raises SimulationError for an arrival the engine would refuse or a step time that is not positive.
     """
     ordered = sorted(arrivals, key=lambda a: a.time)
+    # The attention totals of each step, only for a model that prices them (one pass per step).
+    shaped = getattr(step_time, "uses_attention_shape", True)
     engine = SimulatedEngine(settings)
     sched = engine.scheduler
     bm = sched.block_manager
@@ -381,9 +387,11 @@ def simulate(
                 f"the scheduler cannot run any of {len(sched.requests)} queued request(s) with {settings}"
             )
         num_steps += 1
-        duration = step_time.step_seconds(
-            out.num_batched_tokens, len(out.scheduled), out.decode_context_tokens, out.prefill_attention_pairs
-        )
+        if shaped:
+            context, pairs = out.attention_shape()
+            duration = step_time.step_seconds(out.num_batched_tokens, len(out.scheduled), context, pairs)
+        else:
+            duration = step_time.step_seconds(out.num_batched_tokens, len(out.scheduled))
         if not duration > 0:
             raise SimulationError(f"the step-time model gave {duration!r} s for a step; it must be positive")
         now += duration

@@ -113,6 +113,11 @@ class LinearStepTime:
         if not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
             raise StepTimeError(f"step-time coefficients must be finite, >= 0 and not all 0, got {values}")
 
+    @property
+    def uses_attention_shape(self) -> bool:
+        """Whether a step's attention totals change its time (the simulator counts them only then)."""
+        return self.d > 0 or self.e > 0
+
     def step_seconds(
         self,
         num_batched_tokens: int,

@@ -120,3 +120,10 @@ def test_batched_steps_count_in_their_class(tiny_llama) -> None:
     assert _total(series, names.ENGINE_STEP_DECODE_CONTEXT_TOTAL, names.PHASE_DECODE) == 3 * sum(
         q + 1 for q in range(9, 14)
     )
+
+
+def test_attention_shape_in_one_pass_equals_the_properties() -> None:
+    out = SchedulerOutput([_slice(3, 1), _slice(0, 7), _slice(12, 2), _slice(40, 1)], 11)
+    assert (
+        out.attention_shape() == (out.decode_context_tokens, out.prefill_attention_pairs) == (4 + 41, 28 + 27)
+    )
