@@ -252,6 +252,16 @@ class Scheduler:
     def _allocate_waiting(self, req: Request, budget: int) -> int | None:
         bm = self.block_manager
         fresh = not bm.has_block_table(req.req_id)
+        if fresh and not bm.enable_prefix_caching:
+            # Nothing can be cached: whether the request fits is known before touching the pool. A queue
+            # head that does not fit is asked again every step, so this check is the common case of a
+            # full pool; what it decides is what allocating and undoing would (no block, no counter).
+            wanted = req.num_tokens
+            if (not self.config.enable_chunked_prefill and wanted > budget) or bm.num_blocks_needed(
+                min(wanted, budget)
+            ) > bm.num_free_blocks:
+                req.num_computed_tokens = req.num_cached_tokens = 0
+                return None
         if fresh:
             req.num_computed_tokens = req.num_cached_tokens = bm.allocate_prefix(req)
         wanted = self._num_new_tokens(req, req.num_tokens)

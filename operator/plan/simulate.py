@@ -206,7 +206,7 @@ class SimulatedEngine:
         return bool(self.scheduler.requests)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Sample:
     """The engine's gauges at the end of one step (simulated seconds from the start), and the
     preemptions and output tokens counted so far. ``num_waiting`` is the queue: waiting and swapped

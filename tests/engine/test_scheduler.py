@@ -722,3 +722,36 @@ def test_swap_mode_and_parallel_sampling_lose_nothing(caching, requests, cpu_blo
 def test_parallel_sampling_groups_with_recompute(requests):
     config = dict(block_size=4, num_blocks=12, max_num_seqs=6, max_model_len=40, max_num_batched_tokens=12)
     drive(config, requests, caching=True)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_a_queue_head_that_does_not_fit_leaves_the_pool_as_it_was(prefix_caching):
+    """The head of the queue is asked again every step while the pool is full. Whether it is refused
+    by a check before allocating (no prefix cache) or by allocating and undoing (prefix cache), nothing
+    of the pool, its counters or the request changes, and it starts once room is freed."""
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=prefix_caching
+    )
+    big, waiting = make_request(20, max_tokens=4), make_request(10, max_tokens=2)
+    sched.add_request(big)
+    out = sched.schedule()
+    assert [r.req_id for r in out.scheduled] == [big.req_id]  # 5 of the 6 blocks
+    sched.add_request(waiting)
+    bm = sched.block_manager
+    before = (bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits, dict(bm.block_tables))
+    for _ in range(3):
+        sched.update_from_output(out, _sampled(out))
+        out = sched.schedule()
+        assert waiting.req_id not in {r.req_id for r in out.scheduled}
+        assert waiting.num_computed_tokens == waiting.num_cached_tokens == 0
+        assert waiting.req_id not in bm.block_tables
+        assert (bm.prefix_queries, bm.prefix_hits) == before[1:3]
+    while big.req_id in sched.requests:
+        sched.update_from_output(out, _sampled(out))
+        out = sched.schedule()
+    assert waiting.req_id in {r.req_id for r in out.scheduled}
+
+
+def _sampled(out) -> ModelRunnerOutput:
+    ids = [r.req_id for r in out.scheduled if r.do_sample]
+    return ModelRunnerOutput(ids, [7] * len(ids), [None] * len(ids))
