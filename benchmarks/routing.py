@@ -101,6 +101,8 @@ class Replica:
             "--max-model-len", "2048", "--num-gpu-blocks-override", str(args.num_blocks),
             "--max-num-seqs", str(args.max_num_seqs), "--enable-prefix-caching",
         ]  # fmt: skip
+        if args.max_num_batched_tokens:
+            flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         self.log_path = log_path
         self._log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "kvpilot.cli", "serve", str(model_dir), *flags]
@@ -250,6 +252,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks (16 tokens) per replica")
     ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="the replicas' token budget per step (0: the engine's default, 8192)",
+    )
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument(
         "--prefix-weight",
