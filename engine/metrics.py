@@ -17,14 +17,13 @@ Semantics (per sequence, as vLLM V1 counts ``n > 1`` children):
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpilot.engine import metrics_names as names
 from kvpilot.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLoggerBase
+from kvpilot.engine.step_metrics import StepShapeCounters
 
 GiB = 1 << 30
 
@@ -215,35 +214,9 @@ class PrometheusStatLogger(StatLoggerBase):
             [float(b) for b in iteration_buckets if b <= max_num_batched_tokens],
         )
 
-        # What the steps cost by their shape (metrics_names.ENGINE_STEP_COUNTERS): every (phase, batch
-        # class) series up to the largest batch exported from start-up, at 0.
-        by = "by phase and batch class"
-        step_docs = {
-            names.ENGINE_STEPS_TOTAL: f"Engine steps, {by}.",
-            names.ENGINE_STEP_SECONDS_TOTAL: f"Wall seconds the engine's steps held it, {by}.",
-            names.ENGINE_STEP_TOKENS_TOTAL: f"Tokens the engine's steps fed the model, {by}.",
-            names.ENGINE_STEP_SEQS_TOTAL: f"Sequences in the engine's steps, {by}.",
-            names.ENGINE_STEP_DECODE_CONTEXT_TOTAL: f"KV positions read by one-token slices in steps, {by}.",
-            names.ENGINE_STEP_PREFILL_PAIRS_TOTAL: f"Causal query-key pairs of prompt chunks, {by}.",
-        }
-        step_families = {
-            name: Counter(
-                name.removesuffix("_total"),
-                doc,
-                [*label, names.LABEL_PHASE, names.LABEL_NUM_SEQS],
-                registry=registry,
-            )
-            for name, doc in step_docs.items()
-        }
-        self._step_series: dict[tuple[str, str], tuple[Any, ...]] = {
-            (phase, batch): tuple(
-                family.labels(engine, model_name, phase, batch) for family in step_families.values()
-            )
-            for phase in names.PHASES
-            for batch in names.batch_classes(int(model_config.get("max_num_seqs") or 1))
-        }
-        self._step_families = step_families
-        self._engine_labels = (engine, model_name)
+        self.step_shape = StepShapeCounters(
+            registry, (engine, model_name), int(model_config.get("max_num_seqs") or 1)
+        )
 
         self._cache_config = dict(cache_config)
         self._cache_info = info(
@@ -376,34 +349,13 @@ class PrometheusStatLogger(StatLoggerBase):
         if it.num_cached_prompt_tokens:
             self.prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
         self.iteration_tokens.observe(it.num_batched_tokens)
-        self._record_step_shape(it)
+        self.step_shape.record(it)
         for value in it.time_to_first_tokens:
             self.ttft.observe(value)
         for value in it.inter_token_latencies:
             self.itl.observe(value)
         for fin in it.finished:
             self._observe_finished(fin)
-
-    def _record_step_shape(self, it: IterationStats) -> None:
-        if it.wall_s is None or it.num_running_seqs <= 0:
-            return
-        phase = names.PHASE_PREFILL if it.num_prefill_seqs else names.PHASE_DECODE
-        key = (phase, names.batch_class(it.num_running_seqs))
-        series = self._step_series.get(key)
-        if series is None:  # a batch past the start-up bound (cannot happen: live changes stay within it)
-            series = tuple(
-                family.labels(*self._engine_labels, *key) for family in self._step_families.values()
-            )
-            self._step_series[key] = series
-        steps, seconds, tokens, seqs, context, pairs = series
-        steps.inc()
-        seconds.inc(max(0.0, it.wall_s))
-        tokens.inc(it.num_batched_tokens)
-        seqs.inc(it.num_running_seqs)
-        if it.decode_context_tokens:
-            context.inc(it.decode_context_tokens)
-        if it.prefill_attention_pairs:
-            pairs.inc(it.prefill_attention_pairs)
 
     def _record_scheduler_stats(self, sched: SchedulerStats) -> None:
         """Refresh the gauges and scheduler-cumulative counters."""
@@ -471,42 +423,3 @@ class PrometheusStatLogger(StatLoggerBase):
             # The first token belongs to the prefill; a single-token sequence observes 0 (as vLLM).
             num_decoded = fin.num_generation_tokens - 1
             self.time_per_output_token.observe(decode_s / num_decoded if num_decoded > 0 else 0.0)
-
-
-class LoggingStatLogger(StatLoggerBase):
-    """Logs throughput and cache state every ``interval_s`` seconds while the engine is busy, e.g.
-    ``prompt 412.0 tok/s, generation 96.3 tok/s, running 12, waiting 0, KV cache 41.2%, ...``."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
-        self.logger = logger
-        self.interval_s = interval_s
-        self._last = time.monotonic()
-        self._prompt = 0
-        self._generation = 0
-        self._preemptions_at_last = 0
-
-    def record(self, sched: SchedulerStats, it: IterationStats | None) -> None:
-        if it is None:
-            return
-        self._prompt += it.num_prefill_tokens
-        self._generation += it.num_generation_tokens
-        now = time.monotonic()
-        if now - self._last < self.interval_s:
-            return
-        elapsed = now - self._last
-        hit_rate = sched.prefix_cache_hits / sched.prefix_cache_queries if sched.prefix_cache_queries else 0.0
-        self.logger.info(
-            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
-            "prefix-cache hit rate %.1f%%, preemptions %d (+%d)",
-            self._prompt / elapsed,
-            self._generation / elapsed,
-            sched.num_running,
-            sched.num_waiting,
-            100.0 * sched.kv_cache_usage,
-            100.0 * hit_rate,
-            sched.num_preemptions_total,
-            sched.num_preemptions_total - self._preemptions_at_last,
-        )
-        self._last = now
-        self._prompt = self._generation = 0
-        self._preemptions_at_last = sched.num_preemptions_total

@@ -20,7 +20,8 @@ from kvpilot.engine.async_engine import AsyncEngine
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.errors import ConfigError
 from kvpilot.engine.llm_engine import LLMEngine
-from kvpilot.engine.metrics import LoggingStatLogger, PrometheusStatLogger
+from kvpilot.engine.log_stats import LoggingStatLogger
+from kvpilot.engine.metrics import PrometheusStatLogger
 from kvpilot.engine.request_trace import RequestTraceLogger
 from kvpilot.engine.server.app import build_app
 from kvpilot.engine.server.cli import request_limits_from

@@ -30,7 +30,8 @@ from kvpilot.operator.plan.candidates import (
 )
 from kvpilot.operator.plan.recording import PlanScrape, RecordingError, read_recording
 from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError, fit_step_time
-from kvpilot.operator.plan.workload import Workload, with_trace, workload_from_scrapes
+from kvpilot.operator.plan.trace import with_trace
+from kvpilot.operator.plan.workload import Workload, workload_from_scrapes
 
 HEADER = (
     "",

@@ -11,7 +11,7 @@ import pytest
 from kvpilot.engine.request_trace import RequestTraceLogger
 from kvpilot.engine.stats import FinishedRequestStats, IterationStats
 from kvpilot.operator.plan.recording import RecordingError
-from kvpilot.operator.plan.workload import read_trace
+from kvpilot.operator.plan.trace import read_trace
 from tests.server.conftest import MODEL_NAME, ServerProcess
 
 PROMPTS = ["the secret word is pelican", "a b c d e f g h i j k l m n o p", "x"]

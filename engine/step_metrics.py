@@ -1,0 +1,71 @@
+"""What the engine's steps cost by their shape, as counters (``metrics_names.ENGINE_STEP_COUNTERS``),
+for a planner to fit step time on (``kvpilot plan``'s ``step_time``).
+
+One series per (phase, batch class) and quantity: the steps, their wall seconds
+(``IterationStats.wall_s``), the tokens they fed, their sequences, the KV positions their one-token
+slices read and the causal pairs of their longer chunks. A series' increase over a window is the exact
+sum over its steps, so a per-class mean needs no histogram and no bucket interpolation. Every series
+up to the start-up ``max_num_seqs`` is exported at 0 from the start (run-time changes stay within it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from kvpilot.engine import metrics_names as names
+from kvpilot.engine.stats import IterationStats
+
+_BY = "by phase and batch class"
+_DOCS = {
+    names.ENGINE_STEPS_TOTAL: f"Engine steps, {_BY}.",
+    names.ENGINE_STEP_SECONDS_TOTAL: f"Wall seconds the engine's steps held it, {_BY}.",
+    names.ENGINE_STEP_TOKENS_TOTAL: f"Tokens the engine's steps fed the model, {_BY}.",
+    names.ENGINE_STEP_SEQS_TOTAL: f"Sequences in the engine's steps, {_BY}.",
+    names.ENGINE_STEP_DECODE_CONTEXT_TOTAL: f"KV positions read by one-token slices in steps, {_BY}.",
+    names.ENGINE_STEP_PREFILL_PAIRS_TOTAL: f"Causal query-key pairs of prompt chunks, {_BY}.",
+}
+
+
+class StepShapeCounters:
+    """The step counters of one engine in ``registry``; ``engine_labels``: the values of vLLM's
+    ``{engine, model_name}`` labels, which every series carries before ``phase`` and ``num_seqs``."""
+
+    def __init__(
+        self, registry: CollectorRegistry, engine_labels: tuple[str, str], max_num_seqs: int
+    ) -> None:
+        label_names = [names.LABEL_ENGINE, names.LABEL_MODEL_NAME, names.LABEL_PHASE, names.LABEL_NUM_SEQS]
+        self._families = [
+            Counter(name.removesuffix("_total"), _DOCS[name], label_names, registry=registry)
+            for name in names.ENGINE_STEP_COUNTERS
+        ]
+        self._engine_labels = engine_labels
+        self._series: dict[tuple[str, str], tuple[Any, ...]] = {}
+        for phase in names.PHASES:
+            for batch in names.batch_classes(max_num_seqs):
+                self._of((phase, batch))
+
+    def _of(self, key: tuple[str, str]) -> tuple[Any, ...]:
+        series = self._series.get(key)
+        if series is None:
+            series = tuple(family.labels(*self._engine_labels, *key) for family in self._families)
+            self._series[key] = series
+        return series
+
+    def record(self, it: IterationStats) -> None:
+        """Count one step (nothing for a step without its wall time or without sequences)."""
+        if it.wall_s is None or it.num_running_seqs <= 0:
+            return
+        phase = names.PHASE_PREFILL if it.num_prefill_seqs else names.PHASE_DECODE
+        steps, seconds, tokens, seqs, context, pairs = self._of(
+            (phase, names.batch_class(it.num_running_seqs))
+        )
+        steps.inc()
+        seconds.inc(max(0.0, it.wall_s))
+        tokens.inc(it.num_batched_tokens)
+        seqs.inc(it.num_running_seqs)
+        if it.decode_context_tokens:
+            context.inc(it.decode_context_tokens)
+        if it.prefill_attention_pairs:
+            pairs.inc(it.prefill_attention_pairs)

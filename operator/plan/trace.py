@@ -1,0 +1,47 @@
+"""A per-request trace (``kvpilot serve --request-trace``) as the plan's arrivals, in place of the
+distributions the recording's histograms give (torch-free, like the rest of the plan)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+from kvpilot.operator.plan.recording import PlanScrape, RecordingError
+from kvpilot.operator.plan.simulate import Arrival
+from kvpilot.operator.plan.workload import Workload
+
+
+def read_trace(paths: Sequence[str], start: float, end: float) -> tuple[Arrival, ...]:
+    """The requests of ``kvpilot serve --request-trace`` files (one per pod) that arrived between
+    ``start`` and ``end`` (unix seconds: the recording's span), as arrivals from ``start``. Raises
+    RecordingError (one line) for a file that cannot be read or holds no such request."""
+    out = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                for number, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        item = json.loads(line)
+                        arrival = float(item["arrival"])
+                        prompt, output = int(item["prompt_tokens"]), int(item["output_tokens"])
+                    except (ValueError, KeyError, TypeError) as exc:
+                        raise RecordingError(
+                            f"{path}: line {number}: not a request trace line ({exc})"
+                        ) from exc
+                    if start <= arrival <= end and prompt >= 1:
+                        out.append(Arrival(arrival - start, prompt, max(1, output)))
+        except OSError as exc:
+            raise RecordingError(f"cannot read the request trace {path}: {exc}") from exc
+    if not out:
+        raise RecordingError(f"no request of the trace arrived within the recording ({start:.0f}-{end:.0f})")
+    return tuple(sorted(out, key=lambda a: a.time))
+
+
+def with_trace(workload: Workload, scrapes: Sequence[PlanScrape], paths: Sequence[str]) -> Workload:
+    """``workload`` with its arrivals taken from the request trace files ``paths``."""
+    start = min(s.time for s in scrapes)
+    end = max(s.time for s in scrapes)
+    return dataclasses.replace(workload, trace=read_trace(paths, start, end))
