@@ -102,6 +102,7 @@ def make_iteration_stats(
     core's own (``schedule_s``; ``update_s``: update, detokenization, outputs; ``wall_s``: see
     ``IterationStats.wall_s``)."""
     num_decode_tokens = sched_out.num_decode_tokens
+    decode_context, prefill_pairs = sched_out.attention_shape()
     stats = IterationStats(
         num_batched_tokens=sched_out.num_batched_tokens,
         # Decode tokens are single tokens past the prompt; everything else is (re)prefill.
@@ -116,8 +117,8 @@ def make_iteration_stats(
         sample_s=runner_out.sample_s,
         update_s=update_s,
         num_prefill_seqs=sched_out.num_prefill_seqs,
-        decode_context_tokens=sched_out.decode_context_tokens,
-        prefill_attention_pairs=sched_out.prefill_attention_pairs,
+        decode_context_tokens=decode_context,
+        prefill_attention_pairs=prefill_pairs,
         wall_s=wall_s,
     )
     stats.time_to_first_tokens += record.ttfts
