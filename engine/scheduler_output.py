@@ -86,21 +86,17 @@ class SchedulerOutput:
     def decode_context_tokens(self) -> int:
         """The KV positions the one-token slices attend to, summed: a token at position ``p`` reads
         ``p + 1`` of them. What attention costs in a decode step grows with this."""
-        return sum(r.start_pos + 1 for r in self.scheduled if r.num_tokens == 1)
+        return self.attention_shape()[0]
 
     @property
     def prefill_attention_pairs(self) -> int:
-        """(query, key) pairs the prefill tokens attend over, causal: a chunk of ``n`` tokens at
+        """(query, key) pairs the longer chunks attend over, causal: a chunk of ``n`` tokens at
         ``start`` adds ``n * start + n * (n + 1) / 2``. Quadratic in a prompt's length, which is why a
         long prompt's prefill costs more than its token count says."""
-        return sum(
-            r.num_tokens * r.start_pos + r.num_tokens * (r.num_tokens + 1) // 2
-            for r in self.scheduled
-            if r.num_tokens > 1
-        )
+        return self.attention_shape()[1]
 
     def attention_shape(self) -> tuple[int, int]:
-        """(``decode_context_tokens``, ``prefill_attention_pairs``) in one pass over the batch."""
+        """(``decode_context_tokens``, ``prefill_attention_pairs``), in one pass over the batch."""
         context = pairs = 0
         for r in self.scheduled:
             n = r.num_tokens

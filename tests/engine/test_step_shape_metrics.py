@@ -122,7 +122,7 @@ def test_batched_steps_count_in_their_class(tiny_llama) -> None:
     )
 
 
-def test_attention_shape_in_one_pass_equals_the_properties() -> None:
+def test_attention_shape_of_decodes_and_chunks_at_several_positions() -> None:
     out = SchedulerOutput([_slice(3, 1), _slice(0, 7), _slice(12, 2), _slice(40, 1)], 11)
     assert (
         out.attention_shape() == (out.decode_context_tokens, out.prefill_attention_pairs) == (4 + 41, 28 + 27)
