@@ -59,6 +59,13 @@ def isvc(model: Path, scrape_s: float, idle_after_s: float) -> dict[str, Any]:
     }
 
 
+def first_output(event: dict) -> bool:
+    """Whether a chat stream's event carries output: the opening role-only event ("content": ""),
+    sent before the prefill, does not."""
+    choices = event.get("choices") or []
+    return bool(choices and choices[0].get("delta", {}).get("content"))
+
+
 async def first_token(client: httpx.AsyncClient, url: str, max_tokens: int) -> float:
     """Seconds from sending a streamed chat request to its first content chunk (raises on a failure)."""
     body = {
@@ -74,7 +81,7 @@ async def first_token(client: httpx.AsyncClient, url: str, max_tokens: int) -> f
         if response.status_code != 200:
             raise RuntimeError(f"{response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
-            if ttft is None and line.startswith("data: {") and '"content"' in line:
+            if ttft is None and line.startswith("data: {") and first_output(json.loads(line[6:])):
                 ttft = time.perf_counter() - sent
     if ttft is None:
         raise RuntimeError("no content streamed")

@@ -167,7 +167,9 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict],
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             choices = chunk.get("choices") or []
-            if math.isnan(ttft) and choices and choices[0].get("delta", {}).get("content") is not None:
+            # The first output: a chat stream opens with a role-only event ("content": "") that the
+            # server sends before the prefill, so an empty content is not a token yet.
+            if math.isnan(ttft) and choices and choices[0].get("delta", {}).get("content"):
                 ttft = time.perf_counter() - start
     return ttft, tokens
 
