@@ -176,16 +176,8 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict],
 
 async def run_policy(policy: str, urls: list[str], args, shape_seed: int, text_seed: int) -> dict:
     from kvpilot.operator.local.frontdoor import FrontDoor
-    from kvpilot.operator.router.scoring import ScoringConfig
 
-    door = FrontDoor(
-        lambda: urls,
-        dict,
-        port=0,
-        logger=logging.getLogger("bench.door"),
-        policy=policy,
-        scoring_config=ScoringConfig(prefix_weight=args.prefix_weight),
-    )
+    door = FrontDoor(lambda: urls, dict, port=0, logger=logging.getLogger("bench.door"), policy=policy)
     await door.start()
     workload = make_workload(args, shape_seed, text_seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -241,8 +233,6 @@ def summarize(policy: str, runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    from kvpilot.operator.router.scoring import ScoringConfig
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=4, help="engine replicas (2-4)")
     ap.add_argument("--size", default="10m", help="synthetic checkpoint size (engine/models/synthetic.py)")
@@ -261,12 +251,6 @@ def main() -> None:
         help="the replicas' token budget per step (0: the engine's default, 8192)",
     )
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument(
-        "--prefix-weight",
-        type=float,
-        default=ScoringConfig().prefix_weight,
-        help="the score policy's prefix weight (default: the router's, %(default)s)",
-    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="runs of every policy; the table shows medians")
     ap.add_argument("--out", type=Path, default=RESULTS / "routing.json")

@@ -1,11 +1,10 @@
 """The local front door: one port in front of the ready replicas, as the Service is in a cluster.
 
 Every OpenAI request (``/v1/...``, streaming included) goes through the scoring proxy of ``kvpilot
-router`` (:class:`kvpilot.operator.router.proxy.BalancingProxy`): by default to the ready replica that
-is cheapest by its queue, running requests and KV usage (each replica's ``/metrics`` is read in the
-background every 200 ms at most) plus the door's own in-flight count, with a prompt sent where its
-longest prefix was served unless that replica is overloaded (``policy="least_in_flight"`` or
-``"round_robin"`` choose otherwise). Its answer streams back chunk by chunk as it is produced. A replica
+router`` (:class:`kvpilot.operator.router.proxy.BalancingProxy`): by default to the ready replica
+predicted to give it its first token soonest, from what the door sent each one and has not seen end,
+the prompt's prefix match, and each replica's sizes, rates and gauges (its ``/metrics`` is read in the
+background every 200 ms at most; ``policy="least_in_flight"`` or ``"round_robin"`` choose otherwise). Its answer streams back chunk by chunk as it is produced. A replica
 that refuses the connection (it just stopped) is skipped and the next one tried; once bytes have gone
 to the client, a failure ends that response. ``/health`` answers 200 while some replica is ready;
 ``/local/status`` is the platform's state as JSON (the demo's live view reads it). A client that

@@ -32,6 +32,7 @@ from kvpilot.operator.api import names
 from kvpilot.operator.router import scoring
 from kvpilot.operator.router.discovery import DnsBackends, parse_host_port
 from kvpilot.operator.router.hold import ColdStartHold
+from kvpilot.operator.router.prefix import PrefixConfig
 from kvpilot.operator.router.proxy import POLICIES, POLICY_SCORE, BalancingProxy
 from kvpilot.operator.router.wake import SERVICE_ACCOUNT_DIR, ApiWaker, parse_target
 
@@ -105,12 +106,12 @@ class RouterCollector:
             in_flight.add_metric([url], router.in_flight[url])
         yield in_flight
         prefill = GaugeMetricFamily(
-            PREFIX + "pending_prefill_blocks",
-            "Uncached prompt blocks sent to a backend whose answer has not begun",
+            PREFIX + "pending_prefill_tokens",
+            "Uncached prompt tokens (estimated) sent to a backend whose answer has not begun",
             labels=["backend"],
         )
         for url in known:
-            prefill.add_metric([url], router.pending_prefill[url])
+            prefill.add_metric([url], router.flights.pending_prefill_tokens(url))
         yield prefill
         errors = CounterMetricFamily(
             PREFIX + "scrape_errors", "Failed reads of a backend's /metrics", labels=["backend"]
@@ -157,6 +158,16 @@ def _host_port(value: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {value!r}")
+    return number
+
+
 def _target(value: str) -> str:
     try:
         parse_target(value)
@@ -169,7 +180,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``kvpilot router``."""
     router = subparsers.add_parser(
         "router",
-        help="scoring front door: queue-, KV- and prefix-aware picking of an engine replica",
+        help="scoring front door: sends each request to the replica predicted to answer it first",
         description=__doc__.split("\n\n")[0],
     )
     router.add_argument(
@@ -205,6 +216,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=0.2,
         help="least seconds between two reads of a backend's /metrics (default: %(default)s)",
+    )
+    router.add_argument(
+        "--chars-per-token",
+        type=_positive,
+        default=PrefixConfig().chars_per_token,
+        help="characters per token of the served model's tokenizer, for the prefill work a prompt "
+        "brings (default: %(default)s, English text; about 1 for CJK)",
     )
     router.add_argument(
         "--hold-max-waiting",
@@ -281,6 +299,7 @@ async def _serve(args: argparse.Namespace, waker: ApiWaker | None) -> None:
         logger=LOG,
         policy=args.policy,
         scrape_interval_s=args.scrape_interval_s,
+        prefix_config=PrefixConfig(chars_per_token=args.chars_per_token),
         hold=ColdStartHold(
             waker, max_waiting=args.hold_max_waiting, timeout_s=args.hold_timeout_s, logger=LOG
         ),

@@ -26,17 +26,22 @@ class PrefixConfig:
     """``block_chars``: characters per hashed block (only full blocks count, as only full KV blocks are
     cached). ``max_blocks``: blocks hashed per request at most (the work per request is bounded).
     ``capacity``: block hashes the index keeps (the memory bound: about 200 bytes each).
-    ``replicas_per_block``: replicas remembered per block hash, most recent last."""
+    ``replicas_per_block``: replicas remembered per block hash, most recent last.
+    ``chars_per_token``: how the door turns a prompt's characters into the tokens it costs (English
+    text under a BPE vocabulary: about 4)."""
 
     block_chars: int = 64
     max_blocks: int = 128
     capacity: int = 32768
     replicas_per_block: int = 4
+    chars_per_token: float = 4.0
 
     def __post_init__(self) -> None:
         for name in ("block_chars", "max_blocks", "capacity", "replicas_per_block"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrefixConfig.{name} must be at least 1, not {getattr(self, name)}")
+        if not self.chars_per_token > 0:
+            raise ValueError(f"PrefixConfig.chars_per_token must be positive, not {self.chars_per_token}")
 
 
 def _content_text(content: Any) -> str:

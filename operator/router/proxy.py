@@ -2,9 +2,11 @@
 
 Every request other than the proxy's own routes goes to one ready replica, chosen by ``policy``:
 
-- ``score`` (default): :func:`scoring.pick` on the replicas' scraped gauges (a background task reads
-  each one's ``/metrics`` every ``scrape_interval_s`` at most), the door's own in-flight counts and the
-  prompt's prefix match in a :class:`prefix.PrefixIndex`;
+- ``score`` (default): :func:`scoring.pick`, the replica predicted to give the request its first
+  token soonest, from the door's own flights to each (what it sent there, in order, and how far each
+  answer has come), the prompt's prefix match in a :class:`prefix.PrefixIndex`, and each replica's
+  sizes, rates and gauges (a background task reads its ``/metrics`` every ``scrape_interval_s`` at
+  most);
 - ``least_in_flight``: the fewest requests in flight through this door (ties take turns);
 - ``round_robin``: each replica in turn, whatever its load.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,7 +36,13 @@ from aiohttp import web
 from kvpilot.operator.api import names
 from kvpilot.operator.router import scoring
 from kvpilot.operator.router.hold import OUTCOME_FULL, OUTCOME_READY, ColdStartHold
-from kvpilot.operator.router.prefix import PrefixConfig, PrefixIndex, block_hashes, prompt_text
+from kvpilot.operator.router.prefix import (
+    CHAT_COMPLETIONS_PATH,
+    PrefixConfig,
+    PrefixIndex,
+    block_hashes,
+    prompt_text,
+)
 from kvpilot.operator.router.scrape import MetricsScraper
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those this proxy recomputes.
@@ -61,18 +70,58 @@ POLICIES = (POLICY_SCORE, POLICY_LEAST_IN_FLIGHT, POLICY_ROUND_ROBIN)
 MAX_TRACKED_REPLICAS = 256
 
 
-class _PendingPrefill:
-    """A request's uncached prompt blocks, counted in ``pending`` against its replica from the send
-    until :meth:`done` (the answer's first output, or the end of the exchange)."""
+class _Flights:
+    """The door's flights (:class:`scoring.Flight`) per replica, in sending order; the running mean
+    of how many tokens an answer brings (from the streamed answers that ended) and of the uncached
+    prompt tokens a request brings."""
 
-    def __init__(self, pending: Counter[str], url: str, blocks: int) -> None:
-        self.pending, self.url, self.blocks = pending, url, blocks
-        pending[url] += blocks
+    SMOOTHING = 0.1  # weight of the newest answer in the mean
 
-    def done(self) -> None:
-        if self.blocks:
-            self.pending[self.url] -= self.blocks
-            self.blocks = 0
+    def __init__(self) -> None:
+        self.by_url: dict[str, dict[int, scoring.Flight]] = {}
+        self.typical_output: float | None = None
+        self.typical_prompt: float | None = None
+        self._ids = itertools.count()
+
+    def add(self, url: str, flight: scoring.Flight) -> int:
+        mean = self.typical_prompt
+        sample = flight.uncached_tokens
+        self.typical_prompt = sample if mean is None else mean + self.SMOOTHING * (sample - mean)
+        key = next(self._ids)
+        self.by_url.setdefault(url, {})[key] = flight
+        return key
+
+    def end(self, url: str, key: int, outputs: int | None) -> None:
+        """The answer ended; ``outputs``: the tokens it brought (None: not counted)."""
+        flights = self.by_url.get(url, {})
+        flights.pop(key, None)
+        if not flights:
+            self.by_url.pop(url, None)
+        if outputs is not None and outputs > 0:
+            mean = self.typical_output
+            self.typical_output = outputs if mean is None else mean + self.SMOOTHING * (outputs - mean)
+
+    def of(self, url: str) -> list[scoring.Flight]:
+        return list(self.by_url.get(url, {}).values())
+
+    def pending_prefill_tokens(self, url: str) -> float:
+        """Uncached prompt tokens sent to ``url`` whose answer has not begun (prefill queued there)."""
+        return sum(f.uncached_tokens for f in self.by_url.get(url, {}).values() if not f.prefilled)
+
+
+def max_tokens_of(body: bytes) -> int | None:
+    """An OpenAI request's output bound (``max_completion_tokens`` or ``max_tokens``), None without."""
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(request, dict):
+        return None
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = request.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:
@@ -112,8 +161,8 @@ class BalancingProxy:
         self.prefix_config = prefix_config or PrefixConfig()
         self.prefixes = PrefixIndex(self.prefix_config)
         self.in_flight: Counter[str] = Counter()
-        # Uncached prompt blocks sent to each replica whose answer has not begun (prefill queued there).
-        self.pending_prefill: Counter[str] = Counter()
+        # What the door sent each replica and has not seen end: the scorer's view of its queue.
+        self.flights = _Flights()
         self.served: Counter[str] = Counter()
         self.picks: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
@@ -184,9 +233,12 @@ class BalancingProxy:
     def _mark_refused(self, url: str) -> None:
         self._refused_at[url] = time.monotonic()
 
-    def choose(self, exclude: set[str] = frozenset(), hashes: list[int] = ()) -> scoring.Pick | None:
-        """The replica for a request whose prompt has block ``hashes`` (None: no replica left outside
-        ``exclude``). Replicas that refused a connection lately are passed over while others remain."""
+    def choose(
+        self, exclude: set[str] = frozenset(), hashes: list[int] = (), prompt_chars: int = 0
+    ) -> scoring.Pick | None:
+        """The replica for a request whose prompt of ``prompt_chars`` characters has block ``hashes``
+        (None: no replica left outside ``exclude``). Replicas that refused a connection lately are
+        passed over while others remain."""
         now = time.monotonic()
         candidates = [url for url in self.endpoints() if url not in exclude]
         recent = {u for u, at in self._refused_at.items() if now - at < REFUSED_BACKOFF_S}
@@ -198,27 +250,28 @@ class BalancingProxy:
             url = candidates[turn % len(candidates)]
             return scoring.Pick(url=url, reason=scoring.REASON_ROUND_ROBIN, costs={})
         if self.policy == POLICY_LEAST_IN_FLIGHT:
-            return scoring.pick(
-                [scoring.Candidate(url, self.in_flight[url]) for url in candidates], now=now, turn=turn
-            )
+            counts = {url: float(self.in_flight[url]) for url in candidates}
+            fewest = [url for url in candidates if counts[url] == min(counts.values())]
+            return scoring.Pick(url=fewest[turn % len(fewest)], reason=scoring.REASON_LOAD, costs=counts)
         matched = self.prefixes.matches(hashes) if hashes else {}
         loads = self.scraper.loads
+        chars_per_token = self.prefix_config.chars_per_token
         return scoring.pick(
-            [
-                scoring.Candidate(
-                    u, self.in_flight[u], loads.get(u), matched.get(u, 0), self.pending_prefill[u]
-                )
-                for u in candidates
-            ],
+            [scoring.Candidate(u, self.flights.of(u), loads.get(u), matched.get(u, 0)) for u in candidates],
             now=now,
-            prompt_blocks=len(hashes),
+            prompt_tokens=prompt_chars / chars_per_token,
+            tokens_per_block=self.prefix_config.block_chars / chars_per_token,
+            typical_output=self.flights.typical_output,
+            typical_prompt=self.flights.typical_prompt,
             turn=turn,
             config=self.scoring_config,
         )
 
-    def pick(self, exclude: set[str] = frozenset(), hashes: list[int] = ()) -> str | None:
+    def pick(
+        self, exclude: set[str] = frozenset(), hashes: list[int] = (), prompt_chars: int = 0
+    ) -> str | None:
         """The URL :meth:`choose` picks, or None."""
-        chosen = self.choose(exclude, hashes)
+        chosen = self.choose(exclude, hashes, prompt_chars)
         return None if chosen is None else chosen.url
 
     # ------------------------------------------------------------------------------------ handlers
@@ -231,13 +284,15 @@ class BalancingProxy:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         hashes: list[int] = []
+        prompt_chars = 0
         if self.policy == POLICY_SCORE:
             text = prompt_text(request.path, body)
             hashes = block_hashes(text, self.prefix_config) if text else []
+            prompt_chars = len(text) if text else 0
         tried: set[str] = set()
         held = False
         while True:
-            chosen = self.choose(tried, hashes)
+            chosen = self.choose(tried, hashes, prompt_chars)
             if chosen is None and not tried and not held and self.hold is not None:
                 held = True  # none ready (scaled to zero, or restarting): wait for one, once
                 outcome = await self.hold.wait(lambda: bool(self.endpoints()))
@@ -253,7 +308,10 @@ class BalancingProxy:
             url = chosen.url
             tried.add(url)
             self.in_flight[url] += 1
-            prefill = _PendingPrefill(self.pending_prefill, url, chosen.uncached_blocks)
+            bound = max_tokens_of(body) if self.policy == POLICY_SCORE else None
+            flight = scoring.Flight(chosen.uncached_tokens, bound)
+            key = self.flights.add(url, flight)
+            counted: list[int | None] = [None]
             try:
                 try:
                     # Cancelled (the client left) while the replica works on a non-streamed answer,
@@ -269,9 +327,11 @@ class BalancingProxy:
                 self._count(url, chosen.reason)
                 if hashes:
                     self.prefixes.record(hashes, url)
-                return await self._relay(request, upstream, prefill.done)
+                response = await self._relay(request, upstream, flight)
+                counted[0] = flight.outputs if flight.prefilled else None
+                return response
             finally:
-                prefill.done()
+                self.flights.end(url, key, counted[0])
                 self.in_flight[url] -= 1
 
     def _count(self, url: str, reason: str) -> None:
@@ -286,30 +346,33 @@ class BalancingProxy:
                     del counter[u]
             self.prefixes.forget(gone)
             self._refused_at = {u: t for u, t in self._refused_at.items() if u in known}
-            for counter in (self.in_flight, self.pending_prefill):  # idle entries of gone replicas
-                for u in [u for u, n in counter.items() if u not in known and n == 0]:
-                    del counter[u]
+            for u in [u for u, n in self.in_flight.items() if u not in known and n == 0]:
+                del self.in_flight[u]  # idle entries of gone replicas
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, first_output: Callable[[], None]
+        self, request: web.Request, upstream: aiohttp.ClientResponse, flight: scoring.Flight
     ) -> web.StreamResponse:
         try:
-            return await self._copy(request, upstream, first_output)
+            return await self._copy(request, upstream, flight)
         except BaseException:
             upstream.close()  # not released to the pool: closing it is what tells the replica to abort
             raise
 
     async def _copy(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, first_output: Callable[[], None]
+        self, request: web.Request, upstream: aiohttp.ClientResponse, flight: scoring.Flight
     ) -> web.StreamResponse:
+        """Stream the answer to the client, keeping ``flight`` current: its prefill is over at the
+        answer's first output, and a streamed answer's events count its output tokens."""
         async with upstream:
             headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
             await response.prepare(request)
-            # When the prefill is over: at the first byte of a whole answer; in an event stream at
-            # the second event (a chat stream opens with a role-only event sent before the prefill).
+            # A whole answer's first byte is its output; in an event stream each event is about a
+            # token, less the role-only event a chat stream opens with (sent before the prefill) and
+            # the closing [DONE].
             streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-            events_to_output = 2 if streamed else 0
+            opening = 1 if streamed and request.path == CHAT_COMPLETIONS_PATH else 0
+            events = 0
             chunks = upstream.content.iter_any()
             while True:
                 try:
@@ -322,10 +385,10 @@ class BalancingProxy:
                     if request.transport is not None:
                         request.transport.close()
                     return response
-                if events_to_output > 0:
-                    events_to_output -= chunk.count(b"data:")
-                if events_to_output <= 0:
-                    first_output()  # the prefill is over: its work no longer waits at the replica
+                if streamed:
+                    events += chunk.count(b"data:") - chunk.count(b"data: [DONE]")
+                    flight.outputs = max(0, events - opening)
+                flight.prefilled = flight.prefilled or not streamed or flight.outputs > 0
                 try:
                     await response.write(chunk)
                 except ConnectionError:

@@ -1,20 +1,28 @@
 """The background reader of each replica's ``/metrics``: one round over the current replicas, then a
 pause, so no replica is read more often than every ``interval_s`` and no request waits on a scrape.
 
-Only the three gauges the scorer reads are parsed: the lines of other families are dropped before the
-text reaches prometheus-client's parser (an engine's page is mostly histograms), and the operator's own
-reader (``remediation.metrics.parse_scrape``) validates them, deprecated names included.
+Only what the scorer reads is parsed: the lines of other families are dropped before the text reaches
+prometheus-client's parser (an engine's page is mostly histograms). The three gauges go through the
+operator's own reader (``remediation.metrics.parse_scrape``), which validates them, deprecated names
+included; so does ``kvpilot_config_info`` (the replica's ``max_num_seqs`` and step budget). The
+replica's rates come from its step counters (kvpilot's ``kvpilot_engine_step_*``: seconds per prefill
+token, seconds per decode step) over its recent work, decayed by half every ``RATE_HALF_LIFE_S``, and
+pooled over the replicas (:func:`fleet_rates`); an engine without them (vLLM) gets its decode step
+from ``vllm:inter_token_latency_seconds``' mean.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine import metrics_names as m
 from kvpilot.operator.api import names
@@ -22,8 +30,115 @@ from kvpilot.operator.remediation.metrics import MetricsParseError, parse_scrape
 from kvpilot.operator.router.scoring import EngineLoad
 
 GAUGES = (m.NUM_REQUESTS_WAITING, m.NUM_REQUESTS_RUNNING, m.KV_CACHE_USAGE_PERC)
-# The gauges' names as exported, deprecated spellings included.
-WANTED = frozenset(GAUGES) | frozenset(a for a, c in m.DEPRECATED_ALIASES.items() if c in GAUGES)
+STEP_COUNTERS = (m.ENGINE_STEPS_TOTAL, m.ENGINE_STEP_SECONDS_TOTAL, m.ENGINE_STEP_TOKENS_TOTAL)
+ITL_PARTS = (m.INTER_TOKEN_LATENCY_SECONDS + "_sum", m.INTER_TOKEN_LATENCY_SECONDS + "_count")
+# The families' names as exported, deprecated spellings included.
+WANTED = (
+    frozenset(GAUGES)
+    | frozenset(a for a, c in m.DEPRECATED_ALIASES.items() if c in GAUGES)
+    | {m.CONFIG_INFO, m.INTER_TOKEN_LATENCY_SECONDS, *ITL_PARTS}
+    | frozenset(STEP_COUNTERS)
+    | frozenset(c.removesuffix("_total") for c in STEP_COUNTERS)  # a counter's family in # TYPE
+)
+RATE_HALF_LIFE_S = 30.0  # a replica's rates weigh the work of the last half minute as much as all before
+
+
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    """A replica's cumulative work counters at one scrape: prefill-phase seconds and tokens,
+    decode-phase seconds and steps (kvpilot's step counters), and the inter-token latency histogram's
+    sum and count (vLLM's and kvpilot's). None: not exported or not a finite non-negative number."""
+
+    prefill_seconds: float | None = None
+    prefill_tokens: float | None = None
+    decode_seconds: float | None = None
+    decode_steps: float | None = None
+    itl_sum: float | None = None
+    itl_count: float | None = None
+
+
+def totals_of(text: str) -> Totals:
+    """The work counters from the kept lines of a ``/metrics`` body (unparsable: no counters)."""
+    sums: dict[tuple[str, str], float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in STEP_COUNTERS or sample.name in ITL_PARTS:
+                    key = (sample.name, sample.labels.get("phase", ""))
+                    sums[key] = sums.get(key, 0.0) + float(sample.value)
+    except Exception:  # the parser raises ValueError, IndexError, ... on garbage
+        return Totals()
+
+    def get(name: str, phase: str = "") -> float | None:
+        value = sums.get((name, phase))
+        return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+    return Totals(
+        prefill_seconds=get(m.ENGINE_STEP_SECONDS_TOTAL, "prefill"),
+        prefill_tokens=get(m.ENGINE_STEP_TOKENS_TOTAL, "prefill"),
+        decode_seconds=get(m.ENGINE_STEP_SECONDS_TOTAL, "decode"),
+        decode_steps=get(m.ENGINE_STEPS_TOTAL, "decode"),
+        itl_sum=get(ITL_PARTS[0]),
+        itl_count=get(ITL_PARTS[1]),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """A replica's recent work, each sum decayed by half every ``RATE_HALF_LIFE_S``: prefill-phase
+    seconds and tokens, decode-phase seconds and steps (or, without step counters, the inter-token
+    latency's sum and count)."""
+
+    prefill_seconds: float = 0.0
+    prefill_tokens: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: float = 0.0
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        return self.prefill_seconds / self.prefill_tokens if self.prefill_tokens > 0 else None
+
+    @property
+    def decode_step_s(self) -> float | None:
+        return self.decode_seconds / self.decode_steps if self.decode_steps > 0 else None
+
+
+def _increase(after: float | None, before: float | None) -> float | None:
+    """A counter's increase between two scrapes (None when missing or fallen: a restart)."""
+    if after is None:
+        return None
+    increase = after - (before or 0.0)
+    return increase if increase >= 0 else None
+
+
+def _pair(after: Totals, before: Totals, names: tuple[str, str]) -> tuple[float, float]:
+    """The increases of a (seconds, count) pair, (0, 0) unless both grew cleanly."""
+    num = _increase(getattr(after, names[0]), getattr(before, names[0]))
+    den = _increase(getattr(after, names[1]), getattr(before, names[1]))
+    return (num, den) if num is not None and den is not None and den > 0 else (0.0, 0.0)
+
+
+def updated_work(work: Work, after: Totals, before: Totals, elapsed_s: float) -> Work:
+    """``work`` decayed over ``elapsed_s`` plus the counters' increase from ``before`` to ``after``."""
+    keep = 0.5 ** (max(0.0, elapsed_s) / RATE_HALF_LIFE_S)
+    prefill = _pair(after, before, ("prefill_seconds", "prefill_tokens"))
+    decode = _pair(after, before, ("decode_seconds", "decode_steps"))
+    if after.decode_steps is None:  # no step counters (vLLM): the mean inter-token time
+        decode = _pair(after, before, ("itl_sum", "itl_count"))
+    return Work(
+        prefill_seconds=work.prefill_seconds * keep + prefill[0],
+        prefill_tokens=work.prefill_tokens * keep + prefill[1],
+        decode_seconds=work.decode_seconds * keep + decode[0],
+        decode_steps=work.decode_steps * keep + decode[1],
+    )
+
+
+def _int_label(labels, name: str) -> int | None:
+    try:
+        value = int(labels.get(name, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def _family_of(line: str) -> str:
@@ -38,9 +153,41 @@ def _family_of(line: str) -> str:
     return line[:end]
 
 
-def engine_load(text: str, now: float, in_flight: int = 0) -> EngineLoad | None:
-    """The scorer's gauges from one ``/metrics`` body (None when one is missing or invalid: the
-    replica is then costed as if it had no scrape). ``now`` and ``in_flight`` are recorded with it."""
+def fleet_rates(loads: Mapping[str, EngineLoad], works: Iterable[Work]) -> dict[str, EngineLoad]:
+    """``loads`` with every replica's rates replaced by the rates of all their recent work pooled.
+    One InferenceService's replicas run one model under one configuration: what tells them apart is
+    their queues, not their speed, and one replica's noisy interval must not send every request to
+    it. A rate no replica measured yet is left as each load has it."""
+    pool = Work()
+    for work in works:
+        pool = Work(
+            *(a + b for a, b in zip(dataclasses.astuple(pool), dataclasses.astuple(work), strict=True))
+        )
+    prefill, decode = pool.prefill_s_per_token, pool.decode_step_s
+    return {
+        url: dataclasses.replace(
+            load,
+            prefill_s_per_token=load.prefill_s_per_token if prefill is None else prefill,
+            decode_step_s=load.decode_step_s if decode is None else decode,
+        )
+        for url, load in loads.items()
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """What one scrape of a replica left: the scorer's view, the raw counters and the recent work."""
+
+    load: EngineLoad
+    totals: Totals
+    work: Work
+
+
+def engine_load(text: str, now: float, in_flight: int = 0, before: Reading | None = None) -> Reading | None:
+    """The scorer's view of a replica from one ``/metrics`` body (None when a gauge is missing or
+    invalid: the replica is then costed as if it had no scrape). ``now`` and ``in_flight`` are
+    recorded with it. ``before``: the previous scrape's reading, whose recent work the counters'
+    increase since then updates (without one, everything counted since the start is the work)."""
     kept = "\n".join(line for line in text.splitlines() if _family_of(line) in WANTED) + "\n"
     try:
         scrape = parse_scrape(kept, now)
@@ -48,13 +195,23 @@ def engine_load(text: str, now: float, in_flight: int = 0) -> EngineLoad | None:
         return None
     if scrape.waiting is None or scrape.running is None or scrape.kv_usage is None:
         return None
-    return EngineLoad(
+    totals = totals_of(kept)
+    if before is None:
+        work = updated_work(Work(), totals, Totals(), 0.0)
+    else:
+        work = updated_work(before.work, totals, before.totals, now - before.load.scraped_at)
+    load = EngineLoad(
         num_requests_waiting=scrape.waiting,
         num_requests_running=scrape.running,
         kv_cache_usage=scrape.kv_usage,
         scraped_at=now,
         in_flight_at_scrape=in_flight,
+        max_num_seqs=_int_label(scrape.live_config, "max_num_seqs"),
+        max_num_batched_tokens=_int_label(scrape.live_config, "max_num_batched_tokens"),
+        prefill_s_per_token=work.prefill_s_per_token,
+        decode_step_s=work.decode_step_s,
     )
+    return Reading(load, totals, work)
 
 
 class MetricsScraper:
@@ -80,6 +237,7 @@ class MetricsScraper:
         self.on_refused = on_refused
         self.logger = logger
         self.loads: dict[str, EngineLoad] = {}
+        self._readings: dict[str, Reading] = {}
         self.errors: Counter[str] = Counter()
         self.rounds = 0
 
@@ -87,9 +245,14 @@ class MetricsScraper:
         """Scrape until cancelled."""
         while True:
             urls = list(self.endpoints())
-            for gone in set(self.loads) - set(urls):
-                del self.loads[gone]
+            for gone in set(self._readings) - set(urls):
+                del self._readings[gone]
             await asyncio.gather(*(self._one(session, url) for url in urls))
+            current = [self._readings[url] for url in urls if url in self._readings]
+            self.loads = fleet_rates(
+                {url: self._readings[url].load for url in urls if url in self._readings},
+                (reading.work for reading in current),
+            )
             self.rounds += 1
             await asyncio.sleep(self.interval_s)
 
@@ -106,8 +269,9 @@ class MetricsScraper:
             if self.logger is not None:
                 self.logger.debug(f"router: scraping {url} failed ({exc!r})")
             return
-        load = None if text is None else engine_load(text, time.monotonic(), self.in_flight(url))
-        if load is None:
+        before = self._readings.get(url)
+        read = None if text is None else engine_load(text, time.monotonic(), self.in_flight(url), before)
+        if read is None:
             self.errors[url] += 1
             return
-        self.loads[url] = load
+        self._readings[url] = read

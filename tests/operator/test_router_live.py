@@ -222,7 +222,7 @@ def test_kvpilot_router_over_dns_records(replicas, tmp_path):
         assert metrics.value("kvpilot_router_backends") == len(backends)
         assert metrics.value("kvpilot_router_requests_total", backend=f"http://127.0.0.1:{port}") == 1
         # Answered: no prefill is pending there any more.
-        assert metrics.value("kvpilot_router_pending_prefill_blocks", backend=f"http://127.0.0.1:{port}") == 0
+        assert metrics.value("kvpilot_router_pending_prefill_tokens", backend=f"http://127.0.0.1:{port}") == 0
     finally:
         assert router.stop() == 0
 

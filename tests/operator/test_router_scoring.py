@@ -1,4 +1,5 @@
-"""The router's pure parts: the scorer (load, KV usage, prefix affinity, stale data, ties), the prompt's
+"""The router's pure parts: the scorer (its time-to-first-token prediction from the door's flights and the
+replica's sizes and rates, prefix affinity, stale data, ties), the prompt's
 canonical text and chained block hashes, the bounded prefix index, the metrics reader, the
 ``HOST:PORT`` parser; and the scraper against a stub ``/metrics`` (one read per replica per round, a
 refused port counted)."""
@@ -18,115 +19,179 @@ from kvpilot.engine import metrics_names as m
 from kvpilot.operator.router import scoring
 from kvpilot.operator.router.discovery import backend_url, parse_host_port
 from kvpilot.operator.router.prefix import PrefixConfig, PrefixIndex, block_hashes, prompt_text
-from kvpilot.operator.router.proxy import BalancingProxy
-from kvpilot.operator.router.scoring import Candidate, EngineLoad, ScoringConfig
-from kvpilot.operator.router.scrape import MetricsScraper, engine_load
+from kvpilot.operator.router.proxy import BalancingProxy, max_tokens_of
+from kvpilot.operator.router.scoring import Candidate, EngineLoad, Flight, ScoringConfig
+from kvpilot.operator.router.scrape import RATE_HALF_LIFE_S, MetricsScraper, Work, engine_load, fleet_rates
 from tests.operator.conftest import serve_routes
 
 NOW = 1000.0
+# Round numbers for the arithmetic below: 1 ms per prefill token, 20 ms per decode step.
+RATES = dict(max_num_seqs=8, max_num_batched_tokens=1000, prefill_s_per_token=0.001, decode_step_s=0.02)
 
 
-def load(waiting=0.0, running=0.0, kv=0.0, age=0.0, in_flight_at_scrape=0) -> EngineLoad:
-    return EngineLoad(waiting, running, kv, scraped_at=NOW - age, in_flight_at_scrape=in_flight_at_scrape)
+def load(waiting=0.0, running=0.0, kv=0.0, age=0.0, in_flight_at_scrape=0, **rates) -> EngineLoad:
+    return EngineLoad(
+        waiting,
+        running,
+        kv,
+        scraped_at=NOW - age,
+        in_flight_at_scrape=in_flight_at_scrape,
+        **{**RATES, **rates},
+    )
 
 
 def pick(*candidates: Candidate, **kwargs) -> scoring.Pick:
+    kwargs.setdefault("typical_output", 16)
+    kwargs.setdefault("typical_prompt", 100)
     return scoring.pick(list(candidates), now=NOW, **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------- load
-def test_a_replica_with_a_queue_is_avoided():
-    chosen = pick(Candidate("a", 0, load(waiting=3, running=2)), Candidate("b", 0, load(running=2)))
-    assert (chosen.url, chosen.reason) == ("b", scoring.REASON_LOAD)
-    # A queued request costs more than a running one (waiting_weight 2).
-    assert chosen.costs == {"a": 2 + 3 + 3, "b": 2}
-
-
-def test_the_doors_own_requests_since_the_scrape_count_until_the_next_one():
-    # Both idle at the scrape; the door has since sent 3 to a: a is the busier one now.
-    chosen = pick(Candidate("a", 3, load()), Candidate("b", 1, load(running=1, in_flight_at_scrape=1)))
-    assert chosen.url == "b"
-    assert chosen.costs == {"a": 3, "b": 1}
-    # Requests finished since the scrape never make a replica look less loaded than its in-flight count.
-    assert (
-        scoring.load_cost(Candidate("c", 2, load(running=1, in_flight_at_scrape=5)), NOW, ScoringConfig())
-        == 2
+def ttft(candidate: Candidate, tokens: float, typical_output=16, typical_prompt=100, **kwargs) -> float:
+    return scoring.predict_ttft(
+        candidate, tokens, now=NOW, typical_output=typical_output, typical_prompt=typical_prompt, **kwargs
     )
 
 
-def test_kv_usage_breaks_an_equal_queue():
-    chosen = pick(Candidate("a", 0, load(running=1, kv=0.9)), Candidate("b", 0, load(running=1, kv=0.2)))
-    assert chosen.url == "b"
-    assert chosen.costs["a"] == pytest.approx(1 + 4 * 0.9)
+# ------------------------------------------------------------------------------------ prediction
+def test_an_idle_replica_answers_after_the_prompts_own_prefill():
+    # 100 tokens at 1 ms, in one chunk of the 1,000-token budget carrying one 20 ms step.
+    assert ttft(Candidate("a", (), load()), 100) == pytest.approx(0.1 + 0.02)
+    # 2,500 tokens: three chunks.
+    assert ttft(Candidate("a", (), load()), 2500) == pytest.approx(2.5 + 3 * 0.02)
 
 
-def test_equal_costs_take_turns_and_no_candidate_is_none():
-    a, b = Candidate("a", 1), Candidate("b", 1)
+def test_prefill_queued_ahead_is_served_first_one_engine_at_a_time():
+    queued = [Flight(200), Flight(300)]  # sent, no output yet
+    # 0.2 + 0.02, then 0.3 + 0.02, then this request's 0.1 + 0.02.
+    assert ttft(Candidate("a", queued, load()), 100) == pytest.approx(0.66)
+    # Once their first tokens came, their prefill is behind: only their sequence slots remain taken.
+    for flight in queued:
+        flight.prefilled = True
+    assert ttft(Candidate("a", queued, load()), 100) == pytest.approx(0.12)
+
+
+def test_a_full_batch_makes_the_request_wait_for_the_first_sequence_to_finish():
+    # max_num_seqs 2, both running answers of a typical 32 tokens: 10 and 30 still to come; the
+    # first slot frees after 10 steps.
+    running = [Flight(0, outputs=22, prefilled=True), Flight(0, outputs=2, prefilled=True)]
+    candidate = Candidate("a", running, load(max_num_seqs=2))
+    assert ttft(candidate, 100, typical_output=32) == pytest.approx(10 * 0.02 + 0.12)
+    # A bound below the typical answer counts: 5 - 2 = 3 tokens left.
+    running[0] = Flight(0, max_tokens=5, outputs=2, prefilled=True)
+    assert ttft(candidate, 100, typical_output=32) == pytest.approx(3 * 0.02 + 0.12)
+
+
+def test_requests_admitted_together_decode_only_after_their_waves_prefill():
+    # max_num_seqs 2: two 400-token prompts admitted at once are prefilled together (0.42 + 0.42 s);
+    # neither decodes before that, so the first slot frees 16 steps after 0.84 s, not after 0.42 s.
+    wave = [Flight(400), Flight(400)]
+    assert ttft(Candidate("a", wave, load(max_num_seqs=2)), 100) == pytest.approx(0.84 + 16 * 0.02 + 0.12)
+
+
+def test_requests_the_door_did_not_send_count_as_typical_ones():
+    # The engine held 2 running and 1 waiting at a fresh scrape, when the door had sent it nothing.
+    candidate = Candidate("a", (), load(waiting=1, running=2, max_num_seqs=4))
+    assert scoring.unseen_requests(candidate, NOW, ScoringConfig()) == (2, 1)
+    # The waiting one's 100-token typical prompt first, then this one's; the four slots not yet full.
+    assert ttft(candidate, 100) == pytest.approx(0.12 + 0.12)
+    # With max_num_seqs 2 the waiting one waits for a slot: a running one ends after 8 more of its 16
+    # tokens, then the waiting one prefills (0.12), and this one behind it, in the slot the other
+    # running one frees at the same time.
+    assert ttft(Candidate("a", (), load(waiting=1, running=2, max_num_seqs=2)), 100) == pytest.approx(
+        8 * 0.02 + 0.12 + 0.12
+    )
+
+
+def test_a_stale_scrape_keeps_the_sizes_and_rates_but_not_the_gauges():
+    config = ScoringConfig(max_metrics_age_s=1.0)
+    stale = Candidate("a", (), load(waiting=50, running=8, kv=1.0, age=1.5))
+    assert scoring.fresh_load(stale, NOW, config) is None
+    assert scoring.unseen_requests(stale, NOW, config) == (0, 0)
+    assert ttft(stale, 100, config=config) == pytest.approx(0.12)  # the replica's own rates still
+    fresh = Candidate("a", (), load(waiting=50, running=8, kv=1.0, age=0.9))
+    assert ttft(fresh, 100, config=config) > 1.0
+
+
+def test_without_a_report_the_configs_priors_stand_in():
+    config = ScoringConfig(prefill_s_per_token=0.002, decode_step_s=0.05, max_num_batched_tokens=8192)
+    assert ttft(Candidate("a"), 100, config=config) == pytest.approx(0.2 + 0.05)
+    partial = EngineLoad(0, 0, 0, scraped_at=NOW, decode_step_s=0.01)  # vLLM: no config info
+    rates = scoring.rates_of(partial, config)
+    assert (rates.max_num_seqs, rates.prefill_s_per_token, rates.decode_step_s) == (256, 0.002, 0.01)
+
+
+def test_a_nearly_full_kv_cache_is_charged_one_typical_generation():
+    assert ttft(Candidate("a", (), load(kv=0.96)), 100) == pytest.approx(0.12 + 16 * 0.02)
+    assert ttft(Candidate("a", (), load(kv=0.90)), 100) == pytest.approx(0.12)
+
+
+def test_the_tail_past_the_replayed_flights_is_costed_at_its_mean():
+    flights = [Flight(10) for _ in range(6)]
+    config = ScoringConfig(max_simulated=4)
+    exact = ttft(Candidate("a", flights, load(max_num_seqs=100)), 10)
+    approx = ttft(Candidate("a", flights, load(max_num_seqs=100)), 10, config=config)
+    # Every flight's prefill (0.01 + 0.02) counts either way; the tail adds its decode share too.
+    assert exact == pytest.approx(7 * 0.03)
+    assert approx == pytest.approx(7 * 0.03 + 2 * (16 * 0.02 / 100))
+
+
+# ------------------------------------------------------------------------------------ the pick
+def test_the_soonest_replica_is_picked_and_costs_are_its_predictions():
+    busy = Candidate("a", [Flight(500)], load())
+    chosen = pick(busy, Candidate("b", (), load()), prompt_tokens=100)
+    assert (chosen.url, chosen.reason, chosen.uncached_tokens) == ("b", scoring.REASON_LOAD, 100)
+    assert chosen.costs == pytest.approx({"a": 0.52 + 0.12, "b": 0.12})
+
+
+def test_a_prefix_holder_is_picked_while_its_queue_costs_less_than_the_prefill_it_saves():
+    """600-token prompts; the holder has 560 of them cached (35 blocks of 16 tokens), so it prefills
+    40 tokens (0.06 s) where the other prefills 600 (0.62 s)."""
+    holder = Candidate("holder", [Flight(200)], load(), prefix_blocks=35)  # 0.22 s queued
+    cold = Candidate("cold", (), load())
+    chosen = pick(holder, cold, prompt_tokens=600, tokens_per_block=16)
+    assert (chosen.url, chosen.reason, chosen.uncached_tokens) == ("holder", scoring.REASON_PREFIX, 40)
+    # 700 tokens queued at the holder (0.72 s) outweigh the 0.56 s it would save.
+    busier = dataclasses.replace(holder, flights=[Flight(700)])
+    chosen = pick(busier, cold, prompt_tokens=600, tokens_per_block=16)
+    assert (chosen.url, chosen.uncached_tokens) == ("cold", 600)
+
+
+def test_a_burst_is_spread_by_the_work_each_request_brings():
+    """Picking a burst one request at a time, each pick added to the chosen replica's flights (as the
+    door does): the holder of a shared prompt takes the cheap shared requests, the cold prompts go
+    where the least prefill waits, and neither replica ends with more than one cold prompt above
+    the other."""
+    replicas = {"a": [], "b": []}
+    burst = ["shared"] * 4 + ["cold"] * 4
+    for i, kind in enumerate(burst):
+        candidates = [
+            Candidate("a", replicas["a"], load(), prefix_blocks=35 if kind == "shared" else 0),
+            Candidate("b", replicas["b"], load()),
+        ]
+        chosen = pick(*candidates, prompt_tokens=600, tokens_per_block=16, turn=i)
+        replicas[chosen.url].append(Flight(chosen.uncached_tokens))
+    shared_at = [len([f for f in flights if f.uncached_tokens == 40]) for flights in replicas.values()]
+    cold_at = [len([f for f in flights if f.uncached_tokens == 600]) for flights in replicas.values()]
+    assert shared_at == [4, 0]
+    assert cold_at in ([2, 2], [1, 3])  # a's 4 x 40 shared tokens are worth about a third of a cold one
+    work = [sum(f.uncached_tokens for f in flights) for flights in replicas.values()]
+    assert abs(work[0] - work[1]) <= 600
+
+
+def test_ties_go_to_the_longest_prefix_then_take_turns_and_no_candidate_is_none():
+    a, b = Candidate("a", (), load()), Candidate("b", (), load())
     assert [pick(a, b, turn=t).url for t in range(4)] == ["a", "b", "a", "b"]
+    # Both hold the whole 10-token prompt: equal predictions, the longer match wins.
+    holder = dataclasses.replace(b, prefix_blocks=2)
+    short = dataclasses.replace(a, prefix_blocks=1)
+    assert {pick(short, holder, prompt_tokens=10, tokens_per_block=16, turn=t).url for t in range(4)} == {"b"}
     assert scoring.pick([], now=NOW) is None
 
 
-# ---------------------------------------------------------------------------------------------- stale data
-def test_stale_metrics_are_ignored_and_the_in_flight_count_alone_decides():
-    config = ScoringConfig(max_metrics_age_s=1.0)
-    stale_queue = Candidate("a", 0, load(waiting=50, running=8, kv=1.0, age=1.5))
-    busy = Candidate("b", 1, load(running=1, age=0.5, in_flight_at_scrape=1))
-    chosen = pick(stale_queue, busy, config=config)
-    assert chosen.url == "a"
-    assert chosen.costs["a"] == 0
-    assert scoring.fresh_load(stale_queue, NOW, config) is None
-    # The same numbers inside the bound send the request elsewhere.
-    fresh_queue = Candidate("a", 0, load(waiting=50, running=8, kv=1.0, age=0.9))
-    assert pick(fresh_queue, busy, config=config).url == "b"
-
-
-# ---------------------------------------------------------------------------------------------- prefix
-def test_the_replica_with_the_longest_prefix_wins_at_equal_load():
-    chosen = pick(
-        Candidate("a", 0, load(), prefix_blocks=2),
-        Candidate("b", 0, load(), prefix_blocks=8),
-        Candidate("c", 0, load()),
-        prompt_blocks=10,
-    )
-    assert (chosen.url, chosen.reason) == ("b", scoring.REASON_PREFIX)
-    assert chosen.costs == pytest.approx({"a": -0.8, "b": -3.2, "c": 0.0})
-
-
-def test_a_prefix_holder_takes_extra_load_up_to_the_prefix_weight_then_load_decides():
-    config = ScoringConfig(prefix_weight=4.0)
-    idle = Candidate("idle", 0, load())
-    some = Candidate("holder", 0, load(running=3), prefix_blocks=10)
-    assert pick(some, idle, prompt_blocks=10, config=config).url == "holder"
-    overloaded = Candidate("holder", 0, load(running=3, waiting=2), prefix_blocks=10)  # cost 7 - 4
-    chosen = pick(overloaded, idle, prompt_blocks=10, config=config)
-    assert (chosen.url, chosen.reason) == ("idle", scoring.REASON_LOAD)
-
-
-def test_prefill_queued_at_a_replica_counts_against_it():
-    """Equal request counts, but one replica still has 40 uncached prompt blocks to prefill: the
-    next request goes to the other, and a prefix holder with that much prefill queued loses its
-    bonus's worth (40 x 0.125 = 5 > 4)."""
-    busy = Candidate("busy", 2, load(running=2, in_flight_at_scrape=2), pending_prefill_blocks=40)
-    free = Candidate("free", 2, load(running=2, in_flight_at_scrape=2))
-    chosen = pick(busy, free)
-    assert chosen.url == "free" and chosen.costs["busy"] - chosen.costs["free"] == pytest.approx(5.0)
-    holder = Candidate("busy", 2, load(running=2, in_flight_at_scrape=2), 10, pending_prefill_blocks=40)
-    assert pick(holder, free, prompt_blocks=10).url == "free"
-    light = dataclasses.replace(holder, pending_prefill_blocks=8)  # 1 < 4: the holder keeps it
-    chosen = pick(light, free, prompt_blocks=10)
-    assert chosen.url == "busy" and chosen.uncached_blocks == 0
-    assert pick(free, prompt_blocks=10).uncached_blocks == 10
-
-
-def test_a_nearly_full_kv_cache_loses_the_prefix_bonus():
-    full = Candidate("holder", 0, load(kv=0.96), prefix_blocks=10)
-    assert scoring.prefix_bonus(full, 10, NOW, ScoringConfig()) == 0
-    assert pick(full, Candidate("idle", 0, load(kv=0.5)), prompt_blocks=10).url == "idle"
-
-
-def test_no_prompt_blocks_no_bonus():
-    holder = Candidate("holder", 1, load(running=1, in_flight_at_scrape=1), prefix_blocks=3)
-    assert pick(holder, Candidate("idle", 0, load()), prompt_blocks=0).url == "idle"
+def test_the_configs_bounds_are_checked():
+    for bad in (dict(max_num_seqs=0), dict(decode_step_s=-1.0), dict(tie_s=float("nan"))):
+        with pytest.raises(ValueError):
+            ScoringConfig(**bad)
 
 
 def chat(system: str, user: str, model: str = "m") -> bytes:
@@ -215,11 +280,73 @@ vllm:e2e_request_latency_seconds_sum{{model_name="x"}} 0.5
 
 
 def test_engine_load_reads_the_three_gauges_aliases_included():
-    got = engine_load(PAGE, NOW, in_flight=4)
+    got = engine_load(PAGE, NOW, in_flight=4).load
     assert got == EngineLoad(3.0, 2.0, 0.25, scraped_at=NOW, in_flight_at_scrape=4)
     assert engine_load(PAGE.replace(" 0.25", " 1.5"), NOW) is None  # KV usage above 1: not a healthy engine
     assert engine_load(PAGE.replace(m.NUM_REQUESTS_RUNNING, "other"), NOW) is None  # one missing
     assert engine_load("garbage {{{", NOW) is None
+
+
+def step_page(prefill_s, prefill_tokens, decode_s, decode_steps, max_num_seqs=6) -> str:
+    """PAGE plus kvpilot_config_info and the step counters, split over two batch classes each."""
+    lines = [
+        f"# TYPE {m.CONFIG_INFO} gauge",
+        f'{m.CONFIG_INFO}{{max_num_seqs="{max_num_seqs}",max_num_batched_tokens="512",'
+        'max_waiting_requests="",preemption_mode="recompute"} 1.0',
+    ]
+    for name, per_phase in (
+        (m.ENGINE_STEP_SECONDS_TOTAL, {"prefill": prefill_s, "decode": decode_s}),
+        (m.ENGINE_STEP_TOKENS_TOTAL, {"prefill": prefill_tokens, "decode": decode_steps * 4}),
+        (m.ENGINE_STEPS_TOTAL, {"prefill": 3, "decode": decode_steps}),
+    ):
+        lines.append(f"# TYPE {name} counter")
+        for phase, value in per_phase.items():
+            for batch in ("1", "2"):
+                lines.append(f'{name}{{engine="0",num_seqs="{batch}",phase="{phase}"}} {value / 2}')
+    return PAGE + "\n".join(lines) + "\n"
+
+
+def test_engine_load_reads_the_sizes_and_the_rates_from_the_recent_work():
+    first = engine_load(step_page(2.0, 1000, 1.0, 50), NOW)
+    assert (first.load.max_num_seqs, first.load.max_num_batched_tokens) == (6, 512)
+    # From the start: 2 s over 1,000 prefill tokens; 1 s over 50 decode steps (summed over batch classes).
+    assert first.load.prefill_s_per_token == pytest.approx(0.002)
+    assert first.load.decode_step_s == pytest.approx(0.02)
+    # 10 s later: +1 s over +1,000 tokens and +1 s over +25 steps, the earlier work decayed.
+    keep = 0.5 ** (10 / RATE_HALF_LIFE_S)
+    second = engine_load(step_page(3.0, 2000, 2.0, 75), NOW + 10, before=first)
+    assert second.load.prefill_s_per_token == pytest.approx((2 * keep + 1) / (1000 * keep + 1000))
+    assert second.load.decode_step_s == pytest.approx((1 * keep + 1) / (50 * keep + 25))
+    # A restart (the counters fell): no new work, the rates stand.
+    third = engine_load(step_page(0.1, 10, 0.1, 1), NOW + 20, before=second)
+    assert third.load.prefill_s_per_token == pytest.approx(second.load.prefill_s_per_token)
+    assert third.load.decode_step_s == pytest.approx(second.load.decode_step_s)
+    # ... and the next scrape counts from the restarted counters.
+    fourth = engine_load(step_page(0.6, 510, 0.1, 1), NOW + 20, before=third)
+    assert fourth.work.prefill_tokens == pytest.approx(third.work.prefill_tokens + 500)
+
+
+def test_the_replicas_rates_are_pooled_over_their_work():
+    # One replica prefilled 1,000 tokens in 1 s, the other 3,000 in 6 s: 7 s / 4,000 tokens for both.
+    loads = {"a": EngineLoad(0, 0, 0, NOW, prefill_s_per_token=0.001), "b": EngineLoad(0, 0, 0, NOW)}
+    works = [Work(1.0, 1000.0, 0.0, 0.0), Work(6.0, 3000.0, 0.0, 0.0)]
+    pooled = fleet_rates(loads, works)
+    assert [pooled[u].prefill_s_per_token for u in "ab"] == [pytest.approx(7 / 4000)] * 2
+    assert pooled["a"].decode_step_s is None  # nobody measured a decode step: left as it was
+    assert pooled["a"].num_requests_waiting == 0 and fleet_rates({}, works) == {}
+
+
+def test_an_engine_without_step_counters_gets_its_decode_step_from_the_inter_token_latency():
+    itl = m.INTER_TOKEN_LATENCY_SECONDS
+    page = PAGE + (
+        f"# TYPE {itl} histogram\n"
+        f'{itl}_bucket{{le="+Inf",model_name="x"}} 200.0\n'
+        f'{itl}_count{{model_name="x"}} 200.0\n'
+        f'{itl}_sum{{model_name="x"}} 5.0\n'
+    )
+    got = engine_load(page, NOW).load
+    assert got.decode_step_s == pytest.approx(0.025)
+    assert got.prefill_s_per_token is None and got.max_num_seqs is None
 
 
 def test_parse_host_port_and_backend_urls():
@@ -245,10 +372,11 @@ def test_the_round_robin_policy_ignores_load_and_the_score_policy_does_not():
         BalancingProxy(lambda: urls, logger=None, policy="random")
 
 
-def test_the_door_counts_a_requests_uncached_blocks_until_its_first_output():
+def test_the_door_keeps_each_flight_current_as_its_answer_streams():
     """A fake replica streams a chat answer: the role-only event at once, the first token when the
-    test says so. Until that token the request's uncached prompt blocks count against the replica;
-    from it on, and after the answer, nothing does."""
+    test says so. Until that token the request's uncached prompt tokens count as prefill queued at the
+    replica; from it on they do not, its output is counted, and the answer's length, once it ends,
+    is the door's typical answer."""
 
     async def scenario() -> None:
         release = asyncio.Event()
@@ -258,8 +386,11 @@ def test_the_door_counts_a_requests_uncached_blocks_until_its_first_output():
             await response.prepare(request)
             await response.write(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n')
             await release.wait()
-            await response.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
-            await asyncio.sleep(0.2)
+            for token in ("hi", " there", "!"):
+                await response.write(
+                    b'data: {"choices": [{"delta": {"content": "%s"}}]}\n\n' % token.encode()
+                )
+                await asyncio.sleep(0.05)
             await response.write(b"data: [DONE]\n\n")
             return response
 
@@ -267,30 +398,44 @@ def test_the_door_counts_a_requests_uncached_blocks_until_its_first_output():
         door = BalancingProxy(lambda: [replica], port=0, logger=None)
         url = await door.start()
         body = chat("x" * 640, "a question")  # 10 full blocks of 64 characters, and more
+        chars = len(prompt_text("/v1/chat/completions", body))
         blocks = len(block_hashes(prompt_text("/v1/chat/completions", body), door.prefix_config))
         try:
             async with aiohttp.ClientSession() as client:
                 async with client.post(url + "/v1/chat/completions", data=body) as answer:
                     await answer.content.readline()  # the role event has come through
-                    assert blocks >= 10 and door.pending_prefill[replica] == blocks
+                    assert blocks >= 10
+                    assert door.flights.pending_prefill_tokens(replica) == pytest.approx(chars / 4)
+                    (flight,) = door.flights.of(replica)
+                    assert (flight.prefilled, flight.outputs) == (False, 0)
                     release.set()
                     await answer.content.readline()
                     await answer.content.readline()  # the first token's event
-                    assert door.pending_prefill[replica] == 0 and door.in_flight[replica] == 1
+                    assert door.flights.pending_prefill_tokens(replica) == 0 and door.in_flight[replica] == 1
+                    assert flight.prefilled and flight.outputs >= 1
                     await answer.read()
-                # The same prompt again: the replica holds it, nothing is pending for it.
+                assert door.flights.typical_output == 3 and door.flights.of(replica) == []
+                # The same prompt again: the replica holds its full blocks; only the rest is pending.
                 release.clear()
                 async with client.post(url + "/v1/chat/completions", data=body) as again:
                     await again.content.readline()
-                    assert door.pending_prefill[replica] == 0
+                    pending = door.flights.pending_prefill_tokens(replica)
+                    assert pending == pytest.approx((chars - 64 * blocks) / 4)
                     release.set()
                     await again.read()
-            assert door.pending_prefill[replica] == 0 and door.in_flight[replica] == 0
+            assert door.flights.pending_prefill_tokens(replica) == 0 and door.in_flight[replica] == 0
         finally:
             await door.close()
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_max_tokens_of_reads_the_requests_output_bound():
+    assert max_tokens_of(b'{"max_tokens": 7}') == 7
+    assert max_tokens_of(b'{"max_completion_tokens": 9, "max_tokens": 7}') == 9
+    for body in (b'{"max_tokens": 0}', b'{"max_tokens": true}', b"[1]", b"not json", b"{}"):
+        assert max_tokens_of(body) is None
 
 
 def _free_port() -> int:
