@@ -127,7 +127,7 @@ MUTATIONS = [
     ),
     Mutation(
         "drift-ignores-list-length",
-        "operator/reconcile/reconciler.py",
+        "operator/reconcile/drift.py",
         "        if len(live) != len(desired):\n            return path",
         "        if len(live) < len(desired):\n            return path",
         ("tests/operator/test_reconcile.py",),

@@ -2,17 +2,17 @@
 
 Every OpenAI request (``/v1/...``, streaming included) goes through the scoring proxy of ``kvpilot
 router`` (:class:`kvpilot.operator.router.proxy.BalancingProxy`): by default to the ready replica
-predicted to give it its first token soonest, from what the door sent each one and has not seen end,
-the prompt's prefix match, and each replica's sizes, rates and gauges (its ``/metrics`` is read in the
-background every 200 ms at most; ``policy="least_in_flight"`` or ``"round_robin"`` choose otherwise). Its answer streams back chunk by chunk as it is produced. A replica
-that refuses the connection (it just stopped) is skipped and the next one tried; once bytes have gone
-to the client, a failure ends that response. ``/health`` answers 200 while some replica is ready;
-``/local/status`` is the platform's state as JSON (the demo's live view reads it). A client that
-disconnects cancels its handler (``handler_cancellation``) and with it the upstream request, whose
-connection is closed: the replica sees the disconnect and aborts the request (counted there as
-``finished_reason="abort"``), streamed or not, and the door's in-flight count drops at once. A
-replica's own ``/metrics`` stays on the replica (``/local/status`` lists their URLs): one engine's
-counters behind a balanced port would mislead.
+predicted to give it its first token soonest, from what the door sent each one and has not seen end, the
+prompt's prefix match, and each replica's sizes, rates and gauges (its ``/metrics`` is read in the
+background every 200 ms at most; ``policy="least_in_flight"`` or ``"round_robin"`` choose otherwise).
+Its answer streams back chunk by chunk as it is produced. A replica that refuses the connection (it just
+stopped) is skipped and the next one tried; once bytes have gone to the client, a failure ends that
+response. ``/health`` answers 200 while some replica is ready; ``/local/status`` is the platform's state
+as JSON (the demo's live view reads it). A client that disconnects cancels its handler
+(``handler_cancellation``) and with it the upstream request, whose connection is closed: the replica
+sees the disconnect and aborts the request (counted there as ``finished_reason="abort"``), streamed or
+not, and the door's in-flight count drops at once. A replica's own ``/metrics`` stays on the replica
+(``/local/status`` lists their URLs): one engine's counters behind a balanced port would mislead.
 """
 
 from __future__ import annotations

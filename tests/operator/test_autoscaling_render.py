@@ -9,7 +9,7 @@ import pytest
 
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import apply_defaults
-from kvpilot.operator.reconcile.reconciler import needs_write
+from kvpilot.operator.reconcile.drift import needs_write
 from kvpilot.operator.render.builders import build_children, build_deployment
 from tests.operator.crd_schema import apply_schema_defaults, schema_errors
 

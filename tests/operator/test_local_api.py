@@ -17,6 +17,7 @@ from kvpilot.operator.local.platform import local_model_problem, prepare, status
 from kvpilot.operator.local.process import assign_gpus, gpus_requested, local_args, local_env
 from kvpilot.operator.reconcile.reconciler import reconcile
 from kvpilot.operator.render.builders import build_children
+from kvpilot.operator.router.scoring import Flight
 
 ISVC_PATH = object_path(names.API_VERSION, names.KIND, "llm", "llama")
 DEPLOYMENT_PATH = object_path("apps/v1", "Deployment", "llm", "llama")
@@ -181,11 +182,17 @@ def test_model_sources_that_cannot_run_here_are_named(make_isvc, tmp_path):
 def test_front_door_picks_the_least_loaded_replica_and_alternates_ties():
     urls = ["http://a", "http://b", "http://c"]
     door = FrontDoor(lambda: urls, dict, logger=None)
-    door.in_flight.update({"http://a": 2, "http://b": 0, "http://c": 1})
+
+    def send(url: str, count: int) -> None:  # requests the door sent there, no answer begun yet
+        for _ in range(count):
+            door.flights.add(url, Flight(uncached_tokens=100))
+
+    send("http://a", 2)
+    send("http://c", 1)
     assert door.pick() == "http://b"
-    door.in_flight["http://b"] = 2
+    send("http://b", 2)
     assert door.pick() == "http://c"
-    door.in_flight["http://c"] = 2
+    send("http://c", 1)
     assert {door.pick() for _ in range(6)} == set(urls)  # ties take turns
     assert door.pick(exclude={"http://a", "http://b", "http://c"}) is None
 

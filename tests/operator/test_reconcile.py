@@ -14,7 +14,8 @@ from kvpilot.operator.api import names
 from kvpilot.operator.api.rest import ApiError, object_path
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.kube import KubeClient
-from kvpilot.operator.reconcile.reconciler import drifted, reconcile
+from kvpilot.operator.reconcile.drift import drifted
+from kvpilot.operator.reconcile.reconciler import reconcile
 from tests.operator.conftest import BASE_ISVC
 
 NS = "direct"
