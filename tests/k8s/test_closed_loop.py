@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.vllm_storm import counter, get
 from kvpilot.operator.api import names
-from kvpilot.operator.demo.prepare import THRESHOLD, calibrate, ensure_model, write_manifest
 from kvpilot.operator.demo.live import Load
+from kvpilot.operator.demo.prepare import THRESHOLD, calibrate, ensure_model, write_manifest
 from kvpilot.operator.remediation.evaluate import EVENT_APPLIED, EVENT_REVERTED
 from kvpilot.operator.remediation.pods import is_ready
 from tests.k8s.cluster import ENGINES_NODE, ENGINES_TAINT, OPERATOR_TOKEN, OPERATOR_USER, Cluster
