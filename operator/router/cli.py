@@ -222,7 +222,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_positive,
         default=PrefixConfig().chars_per_token,
         help="characters per token of the served model's tokenizer, for the prefill work a prompt "
-        "brings (default: %(default)s, English text; about 1 for CJK)",
+        "brings, until learned from the backends' vllm:request_prompt_tokens (default: %(default)s, "
+        "English text; about 1 for CJK)",
     )
     router.add_argument(
         "--hold-max-waiting",

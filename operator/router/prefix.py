@@ -27,8 +27,8 @@ class PrefixConfig:
     cached). ``max_blocks``: blocks hashed per request at most (the work per request is bounded).
     ``capacity``: block hashes the index keeps (the memory bound: about 200 bytes each).
     ``replicas_per_block``: replicas remembered per block hash, most recent last.
-    ``chars_per_token``: how the door turns a prompt's characters into the tokens it costs (English
-    text under a BPE vocabulary: about 4)."""
+    ``chars_per_token``: how the door turns a prompt's characters into the tokens it costs until it
+    has learned the replicas' own ratio (English text under a BPE vocabulary: about 4)."""
 
     block_chars: int = 64
     max_blocks: int = 128

@@ -81,6 +81,9 @@ class _Flights:
         self.by_url: dict[str, dict[int, scoring.Flight]] = {}
         self.typical_output: float | None = None
         self.typical_prompt: float | None = None
+        # Per replica, cumulative: requests seen end and their prompts' characters.
+        self.ended: Counter[str] = Counter()
+        self.ended_chars: Counter[str] = Counter()
         self._ids = itertools.count()
 
     def add(self, url: str, flight: scoring.Flight) -> int:
@@ -94,12 +97,26 @@ class _Flights:
     def end(self, url: str, key: int, outputs: int | None) -> None:
         """The answer ended; ``outputs``: the tokens it brought (None: not counted)."""
         flights = self.by_url.get(url, {})
-        flights.pop(key, None)
+        flight = flights.pop(key, None)
+        if flight is not None:
+            self.ended[url] += 1
+            self.ended_chars[url] += flight.prompt_chars
         if not flights:
             self.by_url.pop(url, None)
         if outputs is not None and outputs > 0:
             mean = self.typical_output
             self.typical_output = outputs if mean is None else mean + self.SMOOTHING * (outputs - mean)
+
+    def ended_of(self, url: str) -> tuple[int, float]:
+        """(requests seen end at ``url``, their prompts' characters), cumulative."""
+        return self.ended[url], float(self.ended_chars[url])
+
+    def forget(self, urls: set[str]) -> None:
+        """Drop the counts of replicas gone (none of their flights is left)."""
+        for url in urls:
+            if url not in self.by_url:
+                self.ended.pop(url, None)
+                self.ended_chars.pop(url, None)
 
     def of(self, url: str) -> list[scoring.Flight]:
         return list(self.by_url.get(url, {}).values())
@@ -169,6 +186,7 @@ class BalancingProxy:
         self.scraper = MetricsScraper(
             endpoints,
             lambda url: self.in_flight[url],
+            ended=self.flights.ended_of,
             interval_s=scrape_interval_s,
             on_refused=self._mark_refused,
             logger=logger,
@@ -255,7 +273,8 @@ class BalancingProxy:
             return scoring.Pick(url=fewest[turn % len(fewest)], reason=scoring.REASON_LOAD, costs=counts)
         matched = self.prefixes.matches(hashes) if hashes else {}
         loads = self.scraper.loads
-        chars_per_token = self.prefix_config.chars_per_token
+        learned = self.scraper.tokens_per_char
+        chars_per_token = 1.0 / learned if learned else self.prefix_config.chars_per_token
         return scoring.pick(
             [scoring.Candidate(u, self.flights.of(u), loads.get(u), matched.get(u, 0)) for u in candidates],
             now=now,
@@ -309,7 +328,7 @@ class BalancingProxy:
             tried.add(url)
             self.in_flight[url] += 1
             bound = max_tokens_of(body) if self.policy == POLICY_SCORE else None
-            flight = scoring.Flight(chosen.uncached_tokens, bound)
+            flight = scoring.Flight(chosen.uncached_tokens, bound, prompt_chars=prompt_chars)
             key = self.flights.add(url, flight)
             counted: list[int | None] = [None]
             try:
@@ -345,6 +364,7 @@ class BalancingProxy:
                 for u in gone & set(counter):
                     del counter[u]
             self.prefixes.forget(gone)
+            self.flights.forget(gone)
             self._refused_at = {u: t for u, t in self._refused_at.items() if u in known}
             for u in [u for u, n in self.in_flight.items() if u not in known and n == 0]:
                 del self.in_flight[u]  # idle entries of gone replicas

@@ -63,13 +63,15 @@ class EngineLoad:
 class Flight:
     """A request the door sent to a replica and whose answer has not ended: the prompt tokens the
     replica did not hold when it was sent, the output tokens it may generate (``max_tokens``; None:
-    not bounded by the request), the output events seen so far, and whether its first output came
-    (its prefill is over). Mutable: the proxy updates it as the answer streams."""
+    not bounded by the request), the output events seen so far, whether its first output came (its
+    prefill is over), and its prompt's length in characters. Mutable: the proxy updates it as the
+    answer streams."""
 
     uncached_tokens: float
     max_tokens: int | None = None
     outputs: int = 0
     prefilled: bool = False
+    prompt_chars: int = 0
 
     def remaining_tokens(self, typical_output: float) -> float:
         """Output tokens still to come: up to the typical answer's length (the door's running mean),

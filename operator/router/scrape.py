@@ -32,11 +32,14 @@ from kvpilot.operator.router.scoring import EngineLoad
 GAUGES = (m.NUM_REQUESTS_WAITING, m.NUM_REQUESTS_RUNNING, m.KV_CACHE_USAGE_PERC)
 STEP_COUNTERS = (m.ENGINE_STEPS_TOTAL, m.ENGINE_STEP_SECONDS_TOTAL, m.ENGINE_STEP_TOKENS_TOTAL)
 ITL_PARTS = (m.INTER_TOKEN_LATENCY_SECONDS + "_sum", m.INTER_TOKEN_LATENCY_SECONDS + "_count")
+PROMPT_PARTS = (m.REQUEST_PROMPT_TOKENS + "_sum", m.REQUEST_PROMPT_TOKENS + "_count")
+# Prompt characters the door must have matched to engine-counted tokens before it trusts the ratio.
+MIN_MATCHED_CHARS = 4096
 # The families' names as exported, deprecated spellings included.
 WANTED = (
     frozenset(GAUGES)
     | frozenset(a for a, c in m.DEPRECATED_ALIASES.items() if c in GAUGES)
-    | {m.CONFIG_INFO, m.INTER_TOKEN_LATENCY_SECONDS, *ITL_PARTS}
+    | {m.CONFIG_INFO, m.INTER_TOKEN_LATENCY_SECONDS, *ITL_PARTS, m.REQUEST_PROMPT_TOKENS, *PROMPT_PARTS}
     | frozenset(STEP_COUNTERS)
     | frozenset(c.removesuffix("_total") for c in STEP_COUNTERS)  # a counter's family in # TYPE
 )
@@ -45,9 +48,10 @@ RATE_HALF_LIFE_S = 30.0  # a replica's rates weigh the work of the last half min
 
 @dataclasses.dataclass(frozen=True)
 class Totals:
-    """A replica's cumulative work counters at one scrape: prefill-phase seconds and tokens,
-    decode-phase seconds and steps (kvpilot's step counters), and the inter-token latency histogram's
-    sum and count (vLLM's and kvpilot's). None: not exported or not a finite non-negative number."""
+    """A replica's cumulative work counters at one scrape: prefill-phase seconds and tokens, decode-phase
+    seconds and steps (kvpilot's step counters), the inter-token latency histogram's sum and count, and
+    the prompt-token histogram's (vLLM's and kvpilot's: observed as a request ends). None: not exported
+    or not a finite non-negative number."""
 
     prefill_seconds: float | None = None
     prefill_tokens: float | None = None
@@ -55,6 +59,8 @@ class Totals:
     decode_steps: float | None = None
     itl_sum: float | None = None
     itl_count: float | None = None
+    prompt_tokens_sum: float | None = None
+    prompt_tokens_count: float | None = None
 
 
 def totals_of(text: str) -> Totals:
@@ -63,7 +69,7 @@ def totals_of(text: str) -> Totals:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in STEP_COUNTERS or sample.name in ITL_PARTS:
+                if sample.name in STEP_COUNTERS or sample.name in ITL_PARTS or sample.name in PROMPT_PARTS:
                     key = (sample.name, sample.labels.get("phase", ""))
                     sums[key] = sums.get(key, 0.0) + float(sample.value)
     except Exception:  # the parser raises ValueError, IndexError, ... on garbage
@@ -80,6 +86,8 @@ def totals_of(text: str) -> Totals:
         decode_steps=get(m.ENGINE_STEPS_TOTAL, "decode"),
         itl_sum=get(ITL_PARTS[0]),
         itl_count=get(ITL_PARTS[1]),
+        prompt_tokens_sum=get(PROMPT_PARTS[0]),
+        prompt_tokens_count=get(PROMPT_PARTS[1]),
     )
 
 
@@ -176,18 +184,54 @@ def fleet_rates(loads: Mapping[str, EngineLoad], works: Iterable[Work]) -> dict[
 
 @dataclasses.dataclass(frozen=True)
 class Reading:
-    """What one scrape of a replica left: the scorer's view, the raw counters and the recent work."""
+    """What one scrape of a replica left: the scorer's view, the raw counters and the recent work;
+    ``ended``: the requests the door had seen end at that replica, and their prompts' characters (both
+    cumulative); ``matched``: prompt tokens and characters over the intervals where the engine
+    finished exactly the requests the door saw end (cumulative)."""
 
     load: EngineLoad
     totals: Totals
     work: Work
+    ended: tuple[int, float] = (0, 0.0)
+    matched: tuple[float, float] = (0.0, 0.0)
 
 
-def engine_load(text: str, now: float, in_flight: int = 0, before: Reading | None = None) -> Reading | None:
+def _matched(before: Reading | None, totals: Totals, ended: tuple[int, float]) -> tuple[float, float]:
+    """``before.matched`` plus this interval's prompt tokens and characters when the engine's count
+    of finished requests grew by exactly the door's count of ended ones: then the tokens are those of
+    the prompts the door sent (no other client's, none still in flight). Otherwise unchanged."""
+    if before is None:
+        return (0.0, 0.0)
+    count = _increase(totals.prompt_tokens_count, before.totals.prompt_tokens_count)
+    tokens = _increase(totals.prompt_tokens_sum, before.totals.prompt_tokens_sum)
+    requests, chars = ended[0] - before.ended[0], ended[1] - before.ended[1]
+    if count is None or tokens is None or requests <= 0 or count != requests or chars <= 0:
+        return before.matched
+    return (before.matched[0] + tokens, before.matched[1] + chars)
+
+
+def tokens_per_char(readings: Iterable[Reading]) -> float | None:
+    """Prompt tokens per character of the door's canonical prompt text, over every replica's matched
+    intervals (one model, one tokenizer); None until ``MIN_MATCHED_CHARS`` were matched."""
+    tokens = chars = 0.0
+    for reading in readings:
+        tokens += reading.matched[0]
+        chars += reading.matched[1]
+    return tokens / chars if chars >= MIN_MATCHED_CHARS and tokens > 0 else None
+
+
+def engine_load(
+    text: str,
+    now: float,
+    in_flight: int = 0,
+    before: Reading | None = None,
+    ended: tuple[int, float] = (0, 0.0),
+) -> Reading | None:
     """The scorer's view of a replica from one ``/metrics`` body (None when a gauge is missing or
-    invalid: the replica is then costed as if it had no scrape). ``now`` and ``in_flight`` are
-    recorded with it. ``before``: the previous scrape's reading, whose recent work the counters'
-    increase since then updates (without one, everything counted since the start is the work)."""
+    invalid: the replica is then costed as if it had no scrape). ``now``, ``in_flight`` and ``ended``
+    (the door's ended requests there and their prompt characters, cumulative) are recorded with it.
+    ``before``: the previous scrape's reading, whose recent work the counters' increase since then
+    updates (without one, everything counted since the start is the work)."""
     kept = "\n".join(line for line in text.splitlines() if _family_of(line) in WANTED) + "\n"
     try:
         scrape = parse_scrape(kept, now)
@@ -211,20 +255,21 @@ def engine_load(text: str, now: float, in_flight: int = 0, before: Reading | Non
         prefill_s_per_token=work.prefill_s_per_token,
         decode_step_s=work.decode_step_s,
     )
-    return Reading(load, totals, work)
+    return Reading(load, totals, work, ended, _matched(before, totals, ended))
 
 
 class MetricsScraper:
     """Reads ``/metrics`` of every URL ``endpoints()`` returns, every ``interval_s`` at most, into
-    ``loads`` (URL -> :class:`EngineLoad`). ``in_flight(url)`` is recorded with each scrape;
-    ``on_refused(url)`` is called when a replica refuses the connection. ``errors`` counts failed
-    scrapes per URL."""
+    ``loads`` (URL -> :class:`EngineLoad`). ``in_flight(url)`` and ``ended(url)`` (the door's ended
+    requests there and their prompt characters) are recorded with each scrape; ``on_refused(url)`` is
+    called when a replica refuses the connection. ``errors`` counts failed scrapes per URL."""
 
     def __init__(
         self,
         endpoints: Callable[[], list[str]],
         in_flight: Callable[[str], int],
         *,
+        ended: Callable[[str], tuple[int, float]] = lambda url: (0, 0.0),
         interval_s: float = 0.2,
         timeout_s: float = 1.0,
         on_refused: Callable[[str], None] = lambda url: None,
@@ -232,6 +277,7 @@ class MetricsScraper:
     ) -> None:
         self.endpoints = endpoints
         self.in_flight = in_flight
+        self.ended = ended
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.on_refused = on_refused
@@ -240,6 +286,11 @@ class MetricsScraper:
         self._readings: dict[str, Reading] = {}
         self.errors: Counter[str] = Counter()
         self.rounds = 0
+
+    @property
+    def tokens_per_char(self) -> float | None:
+        """The replicas' prompt tokens per character of the door's prompt text, None until known."""
+        return tokens_per_char(self._readings.values())
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Scrape until cancelled."""
@@ -270,7 +321,8 @@ class MetricsScraper:
                 self.logger.debug(f"router: scraping {url} failed ({exc!r})")
             return
         before = self._readings.get(url)
-        read = None if text is None else engine_load(text, time.monotonic(), self.in_flight(url), before)
+        now, in_flight, ended = time.monotonic(), self.in_flight(url), self.ended(url)
+        read = None if text is None else engine_load(text, now, in_flight, before, ended)
         if read is None:
             self.errors[url] += 1
             return

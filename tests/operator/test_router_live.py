@@ -150,6 +150,23 @@ def test_a_repeated_system_prompt_stays_on_one_replica_and_hits_its_prefix_cache
     assert [rr.served[u] for u in urls] == [3, 3]
 
 
+def test_the_door_learns_the_replicas_prompt_tokens_per_character(replicas, make_door):
+    """The ratio the door learns from the replicas' vllm:request_prompt_tokens equals what the
+    replicas counted for the prompts it sent, over the characters of those prompts."""
+    urls = [r.url for r in replicas]
+    door = make_door(urls)
+    tokens_before = sum(r.metrics().value(m.REQUEST_PROMPT_TOKENS + "_sum") for r in replicas)
+    assert door.scraper.tokens_per_char is None
+    for i in range(8):
+        _chat(door.url, system_prompt(f"topic {i}"), 1)
+    wait_for(lambda: door.scraper.tokens_per_char is not None, timeout=10, what="a learned ratio")
+    tokens = sum(r.metrics().value(m.REQUEST_PROMPT_TOKENS + "_sum") for r in replicas) - tokens_before
+    chars = sum(door.flights.ended_of(u)[1] for u in urls)
+    # Intervals where a request ended at the engine before its answer reached the door are skipped,
+    # so the learned ratio covers most of the traffic, not necessarily all of it.
+    assert door.scraper.tokens_per_char == pytest.approx(tokens / chars, rel=0.1)
+
+
 class RouterProcess:
     """``kvpilot router`` as a subprocess on a free port, its log in a file."""
 

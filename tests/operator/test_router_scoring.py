@@ -21,7 +21,15 @@ from kvpilot.operator.router.discovery import backend_url, parse_host_port
 from kvpilot.operator.router.prefix import PrefixConfig, PrefixIndex, block_hashes, prompt_text
 from kvpilot.operator.router.proxy import BalancingProxy, max_tokens_of
 from kvpilot.operator.router.scoring import Candidate, EngineLoad, Flight, ScoringConfig
-from kvpilot.operator.router.scrape import RATE_HALF_LIFE_S, MetricsScraper, Work, engine_load, fleet_rates
+from kvpilot.operator.router.scrape import (
+    MIN_MATCHED_CHARS,
+    RATE_HALF_LIFE_S,
+    MetricsScraper,
+    Work,
+    engine_load,
+    fleet_rates,
+    tokens_per_char,
+)
 from tests.operator.conftest import serve_routes
 
 NOW = 1000.0
@@ -326,6 +334,35 @@ def test_engine_load_reads_the_sizes_and_the_rates_from_the_recent_work():
     assert fourth.work.prefill_tokens == pytest.approx(third.work.prefill_tokens + 500)
 
 
+def prompt_page(count: float, tokens: float) -> str:
+    """PAGE plus the prompt-token histogram's count and sum (kvpilot and vLLM observe it at the end)."""
+    name = m.REQUEST_PROMPT_TOKENS
+    return PAGE + (
+        f"# TYPE {name} histogram\n"
+        f'{name}_bucket{{le="+Inf",model_name="x"}} {count}\n'
+        f'{name}_count{{model_name="x"}} {count}\n'
+        f'{name}_sum{{model_name="x"}} {tokens}\n'
+    )
+
+
+def test_prompt_tokens_per_character_are_learned_where_the_engine_finished_what_the_door_saw_end():
+    first = engine_load(prompt_page(2, 300), NOW, ended=(2, 1000.0))
+    assert first.matched == (0.0, 0.0)  # no interval yet
+    # 3 more finished, and the door saw exactly 3 end, with 1,500 characters: 450 tokens for them.
+    second = engine_load(prompt_page(5, 750), NOW + 1, before=first, ended=(5, 2500.0))
+    assert second.matched == (450.0, 1500.0)
+    # The engine finished one the door has not seen end (another client's, or not yet relayed): skipped.
+    third = engine_load(prompt_page(7, 1000), NOW + 2, before=second, ended=(6, 3000.0))
+    assert third.matched == second.matched
+    # A restart: the counters fell, nothing is attributed.
+    fourth = engine_load(prompt_page(1, 100), NOW + 3, before=third, ended=(7, 3500.0))
+    assert fourth.matched == second.matched
+    # The ratio is pooled over the replicas, and trusted only past MIN_MATCHED_CHARS characters.
+    assert tokens_per_char([second]) is None
+    other = dataclasses.replace(second, matched=(1200.0, MIN_MATCHED_CHARS))
+    assert tokens_per_char([second, other]) == pytest.approx(1650 / (1500 + MIN_MATCHED_CHARS))
+
+
 def test_the_replicas_rates_are_pooled_over_their_work():
     # One replica prefilled 1,000 tokens in 1 s, the other 3,000 in 6 s: 7 s / 4,000 tokens for both.
     loads = {"a": EngineLoad(0, 0, 0, NOW, prefill_s_per_token=0.001), "b": EngineLoad(0, 0, 0, NOW)}
@@ -415,6 +452,7 @@ def test_the_door_keeps_each_flight_current_as_its_answer_streams():
                     assert flight.prefilled and flight.outputs >= 1
                     await answer.read()
                 assert door.flights.typical_output == 3 and door.flights.of(replica) == []
+                assert door.flights.ended_of(replica) == (1, chars)  # for the tokens-per-character ratio
                 # The same prompt again: the replica holds its full blocks; only the rest is pending.
                 release.clear()
                 async with client.post(url + "/v1/chat/completions", data=body) as again:
