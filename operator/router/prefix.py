@@ -60,9 +60,19 @@ def _content_text(content: Any) -> str:
     return "" if content is None else json.dumps(content, sort_keys=True)
 
 
-def prompt_text(path: str, body: bytes) -> str | None:
-    """The canonical prompt of an OpenAI request, or None when it has none the prefix cache would see
-    (another path, a body that is not a JSON object, no prompt).
+def request_object(body: bytes) -> dict[str, Any] | None:
+    """A request body as its JSON object, or None when it is not one."""
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return request if isinstance(request, dict) else None
+
+
+def prompt_text(path: str, body: bytes | dict[str, Any] | None) -> str | None:
+    """The canonical prompt of an OpenAI request (its body, or the body's :func:`request_object`), or
+    None when it has none the prefix cache would see (another path, a body that is not a JSON object,
+    no prompt).
 
     Chat: the model, the tools (a chat template renders them before the messages), then each message
     as ``role`` and content, separated by control characters no text holds. Completions: the model
@@ -70,11 +80,8 @@ def prompt_text(path: str, body: bytes) -> str | None:
     """
     if path not in (COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH):
         return None
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(request, dict):
+    request = request_object(body) if isinstance(body, bytes | bytearray) else body
+    if request is None:
         return None
     head = f"{request.get('model', '')}\x1e"
     if path == CHAT_COMPLETIONS_PATH:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from kvpilot.operator.router.prefix import (
     PrefixIndex,
     block_hashes,
     prompt_text,
+    request_object,
 )
 from kvpilot.operator.router.scrape import MetricsScraper
 
@@ -126,16 +126,10 @@ class _Flights:
         return sum(f.uncached_tokens for f in self.by_url.get(url, {}).values() if not f.prefilled)
 
 
-def max_tokens_of(body: bytes) -> int | None:
+def max_tokens_of(request: dict[str, Any] | None) -> int | None:
     """An OpenAI request's output bound (``max_completion_tokens`` or ``max_tokens``), None without."""
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(request, dict):
-        return None
     for key in ("max_completion_tokens", "max_tokens"):
-        value = request.get(key)
+        value = (request or {}).get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
@@ -304,8 +298,10 @@ class BalancingProxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         hashes: list[int] = []
         prompt_chars = 0
+        parsed = None
         if self.policy == POLICY_SCORE:
-            text = prompt_text(request.path, body)
+            parsed = request_object(body)
+            text = prompt_text(request.path, parsed)
             hashes = block_hashes(text, self.prefix_config) if text else []
             prompt_chars = len(text) if text else 0
         tried: set[str] = set()
@@ -327,8 +323,7 @@ class BalancingProxy:
             url = chosen.url
             tried.add(url)
             self.in_flight[url] += 1
-            bound = max_tokens_of(body) if self.policy == POLICY_SCORE else None
-            flight = scoring.Flight(chosen.uncached_tokens, bound, prompt_chars=prompt_chars)
+            flight = scoring.Flight(chosen.uncached_tokens, max_tokens_of(parsed), prompt_chars=prompt_chars)
             key = self.flights.add(url, flight)
             counted: list[int | None] = [None]
             try:

@@ -18,7 +18,13 @@ from aiohttp import web
 from kvpilot.engine import metrics_names as m
 from kvpilot.operator.router import scoring
 from kvpilot.operator.router.discovery import backend_url, parse_host_port
-from kvpilot.operator.router.prefix import PrefixConfig, PrefixIndex, block_hashes, prompt_text
+from kvpilot.operator.router.prefix import (
+    PrefixConfig,
+    PrefixIndex,
+    block_hashes,
+    prompt_text,
+    request_object,
+)
 from kvpilot.operator.router.proxy import BalancingProxy, max_tokens_of
 from kvpilot.operator.router.scoring import Candidate, EngineLoad, Flight, ScoringConfig
 from kvpilot.operator.router.scrape import (
@@ -470,10 +476,10 @@ def test_the_door_keeps_each_flight_current_as_its_answer_streams():
 
 
 def test_max_tokens_of_reads_the_requests_output_bound():
-    assert max_tokens_of(b'{"max_tokens": 7}') == 7
-    assert max_tokens_of(b'{"max_completion_tokens": 9, "max_tokens": 7}') == 9
+    assert max_tokens_of(request_object(b'{"max_tokens": 7}')) == 7
+    assert max_tokens_of(request_object(b'{"max_completion_tokens": 9, "max_tokens": 7}')) == 9
     for body in (b'{"max_tokens": 0}', b'{"max_tokens": true}', b"[1]", b"not json", b"{}"):
-        assert max_tokens_of(body) is None
+        assert max_tokens_of(request_object(body)) is None
 
 
 def _free_port() -> int:
