@@ -19,9 +19,12 @@ The engine's report (:class:`EngineLoad`) gives the sizes (``kvpilot_config_info
 step counters, ``kvpilot_engine_step_*``), and the requests it holds that did not come through this
 door. Where the engine does not say, :class:`ScoringConfig`'s priors stand in.
 
-Prefix affinity needs no weight of its own: a replica holding a prefix of the prompt has fewer tokens
-to prefill, so it is predicted sooner unless what waits there outweighs the saving. Predictions within
-``tie_s`` of the best count as equal; among those the longest prefix match wins, then turns are taken.
+The pick looks one request ahead (:func:`lookahead_costs`): a candidate costs the worse of this
+request's predicted first token there and the soonest one left for a next request bringing this
+prompt uncached. Prefix affinity needs no weight of its own: a replica holding a prefix of the prompt
+has fewer tokens to prefill, so it is predicted sooner unless what waits there outweighs the saving.
+Costs within ``tie_s`` of the least count as equal; among those the longest prefix match wins, then
+turns are taken.
 A replica whose KV cache is nearly full (``kv_overload``) is charged one typical generation, the wait a
 preemption or a queue for blocks would add.
 """
@@ -132,13 +135,15 @@ class ScoringConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Pick:
-    """The chosen replica, why (``REASON_PREFIX`` / ``REASON_LOAD``), every candidate's predicted
-    seconds to first token, and the prompt tokens the chosen one does not hold (its prefill work)."""
+    """The chosen replica, why (``REASON_PREFIX`` / ``REASON_LOAD``), every candidate's cost (what the
+    pick minimised, :func:`lookahead_costs`), the prompt tokens the chosen one does not hold (its
+    prefill work), and every candidate's predicted seconds to this request's first token."""
 
     url: str
     reason: str
     costs: Mapping[str, float]
     uncached_tokens: float = 0.0
+    predicted: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,27 +279,30 @@ def pick(
     turn: int = 0,
     config: ScoringConfig = ScoringConfig(),
 ) -> Pick | None:
-    """The candidate predicted soonest (None for none). ``prompt_tokens``: the request's estimated
-    prompt length; each candidate's prefix blocks take ``tokens_per_block`` each off it.
-    ``typical_output`` / ``typical_prompt``: the door's mean answer length and uncached prompt (None:
-    the config's priors). Among predictions within ``tie_s`` the longest prefix match, then the
-    ``turn``-th, so that a caller counting its picks spreads ties."""
+    """The candidate of the least cost: the worse of its predicted first token for this request and
+    the soonest one left for the next (:func:`lookahead_costs`; None for no candidate).
+    ``prompt_tokens``: the request's estimated prompt length; each candidate's prefix blocks take
+    ``tokens_per_block`` each off it. ``typical_output`` / ``typical_prompt``: the door's mean answer
+    length and uncached prompt (None: the config's priors). Among costs within ``tie_s`` the longest
+    prefix match, then the ``turn``-th, so that a caller counting its picks spreads ties."""
     if not candidates:
         return None
     typical = config.typical_output_tokens if typical_output is None else typical_output
     prompt = config.typical_prompt_tokens if typical_prompt is None else typical_prompt
+
+    def predict(candidate: Candidate, tokens: float) -> float:
+        return predict_ttft(
+            candidate, tokens, now=now, typical_output=typical, typical_prompt=prompt, config=config
+        )
+
     costs: dict[str, float] = {}
     uncached: dict[str, float] = {}
     for candidate in candidates:
         uncached[candidate.url] = max(0.0, prompt_tokens - candidate.prefix_blocks * tokens_per_block)
-        costs[candidate.url] = predict_ttft(
-            candidate,
-            uncached[candidate.url],
-            now=now,
-            typical_output=typical,
-            typical_prompt=prompt,
-            config=config,
-        )
+        costs[candidate.url] = predict(candidate, uncached[candidate.url])
+    predicted = dict(costs)
+    if len(candidates) > 1:
+        costs = lookahead_costs(candidates, predicted, uncached, prompt_tokens, predict)
     least = min(costs.values())
     tied = [c for c in candidates if costs[c.url] <= least + config.tie_s]
     longest = max(c.prefix_blocks for c in tied)
@@ -305,4 +313,26 @@ def pick(
         reason=REASON_PREFIX if chosen.prefix_blocks > 0 else REASON_LOAD,
         costs=costs,
         uncached_tokens=uncached[chosen.url],
+        predicted=predicted,
     )
+
+
+def lookahead_costs(
+    candidates: Sequence[Candidate],
+    predicted: Mapping[str, float],
+    uncached: Mapping[str, float],
+    prompt_tokens: float,
+    predict,
+) -> dict[str, float]:
+    """Per candidate, the worse of this request's predicted first token there and the soonest one
+    left for a next request bringing this prompt uncached, were this one sent there. A pick for each
+    request's own first token alone fills a prefix holder's sequence slots with cheap requests and
+    leaves the next uncached prompts fewer places to go; this keeps the place the next one needs
+    unless taking it makes this request's own wait the worse one."""
+    alone = {c.url: predict(c, prompt_tokens) for c in candidates}
+    costs = {}
+    for candidate in candidates:
+        sent = dataclasses.replace(candidate, flights=[*candidate.flights, Flight(uncached[candidate.url])])
+        left = [alone[o.url] for o in candidates if o.url != candidate.url]
+        costs[candidate.url] = max(predicted[candidate.url], min([predict(sent, prompt_tokens), *left]))
+    return costs

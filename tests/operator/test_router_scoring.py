@@ -150,11 +150,14 @@ def test_the_tail_past_the_replayed_flights_is_costed_at_its_mean():
 
 
 # ------------------------------------------------------------------------------------ the pick
-def test_the_soonest_replica_is_picked_and_costs_are_its_predictions():
+def test_the_soonest_replica_is_picked_and_costs_look_one_request_ahead():
     busy = Candidate("a", [Flight(500)], load())
     chosen = pick(busy, Candidate("b", (), load()), prompt_tokens=100)
     assert (chosen.url, chosen.reason, chosen.uncached_tokens) == ("b", scoring.REASON_LOAD, 100)
-    assert chosen.costs == pytest.approx({"a": 0.52 + 0.12, "b": 0.12})
+    assert chosen.predicted == pytest.approx({"a": 0.52 + 0.12, "b": 0.12})
+    # Sent to a: 0.64, and b stays free for the next (0.12). Sent to b: 0.12, and the next one's
+    # best is b again, behind it (0.24), not a (0.64): the worse of each pair is the cost.
+    assert chosen.costs == pytest.approx({"a": 0.64, "b": 0.24})
 
 
 def test_a_prefix_holder_is_picked_while_its_queue_costs_less_than_the_prefill_it_saves():
@@ -164,9 +167,17 @@ def test_a_prefix_holder_is_picked_while_its_queue_costs_less_than_the_prefill_i
     cold = Candidate("cold", (), load())
     chosen = pick(holder, cold, prompt_tokens=600, tokens_per_block=16)
     assert (chosen.url, chosen.reason, chosen.uncached_tokens) == ("holder", scoring.REASON_PREFIX, 40)
-    # 700 tokens queued at the holder (0.72 s) outweigh the 0.56 s it would save.
+    # 700 tokens queued at the holder (0.72 s) outweigh the 0.56 s it would save for this request
+    # alone; but sent cold, the next uncached prompt would wait behind it (1.24 s) where the holder
+    # keeps it at 0.80: the holder takes it, and the cold replica stays free for the next.
     busier = dataclasses.replace(holder, flights=[Flight(700)])
     chosen = pick(busier, cold, prompt_tokens=600, tokens_per_block=16)
+    assert chosen.predicted == pytest.approx({"holder": 0.72 + 0.06, "cold": 0.62})
+    assert chosen.costs == pytest.approx({"holder": 0.78, "cold": 1.24})
+    assert (chosen.url, chosen.uncached_tokens) == ("holder", 40)
+    # 2,000 tokens queued there (2.02 s): the cold replica, both for this request and for the tail.
+    busiest = dataclasses.replace(holder, flights=[Flight(2000)])
+    chosen = pick(busiest, cold, prompt_tokens=600, tokens_per_block=16)
     assert (chosen.url, chosen.uncached_tokens) == ("cold", 600)
 
 
