@@ -49,7 +49,9 @@ class EngineLoad:
     ``vllm:kv_cache_usage_perc`` (0..1); when it was read (monotonic seconds) and the door's in-flight
     count to that replica then. ``max_num_seqs`` / ``max_num_batched_tokens``: from
     ``kvpilot_config_info`` (None: not exported, as by vLLM). ``prefill_s_per_token`` /
-    ``decode_step_s``: the replica's measured rates (None: not known yet)."""
+    ``decode_step_s``: the replica's measured rates (None: not known yet), the decode step as the mean
+    over steps of ``decode_mean_seqs`` sequences, each sequence more or fewer adding or taking
+    ``decode_step_per_seq_s`` (None: not known, the step is taken as flat)."""
 
     num_requests_waiting: float
     num_requests_running: float
@@ -60,6 +62,8 @@ class EngineLoad:
     max_num_batched_tokens: int | None = None
     prefill_s_per_token: float | None = None
     decode_step_s: float | None = None
+    decode_mean_seqs: float | None = None
+    decode_step_per_seq_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -148,12 +152,20 @@ class Pick:
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """What :func:`predict_ttft` runs on for one replica: its sizes and its rates."""
+    """What :func:`predict_ttft` runs on for one replica: its sizes and its rates (the decode step
+    at ``decode_mean_seqs`` sequences, and its growth per sequence)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     prefill_s_per_token: float
     decode_step_s: float
+    decode_mean_seqs: float = 1.0
+    decode_step_per_seq_s: float = 0.0
+
+    def decode_step_at(self, num_seqs: float) -> float:
+        """Seconds of a decode step of ``num_seqs`` sequences (never below a fifth of the mean step)."""
+        step = self.decode_step_s + self.decode_step_per_seq_s * (num_seqs - self.decode_mean_seqs)
+        return max(step, self.decode_step_s / 5)
 
 
 def fresh_load(candidate: Candidate, now: float, config: ScoringConfig) -> EngineLoad | None:
@@ -178,6 +190,8 @@ def rates_of(load: EngineLoad | None, config: ScoringConfig) -> Rates:
         ),
         prefill_s_per_token=reported(load and load.prefill_s_per_token, config.prefill_s_per_token),
         decode_step_s=reported(load and load.decode_step_s, config.decode_step_s),
+        decode_mean_seqs=reported(load and load.decode_mean_seqs, 1.0),
+        decode_step_per_seq_s=reported(load and load.decode_step_per_seq_s, 0.0),
     )
 
 
@@ -207,13 +221,17 @@ def predict_ttft(
     that the door did not send are taken as typical: a running one half-way through a
     ``typical_output`` answer, a waiting one with a ``typical_prompt`` to prefill."""
     rates = rates_of(candidate.load, config)
-    budget, step = rates.max_num_batched_tokens, rates.decode_step_s
+    budget = rates.max_num_batched_tokens
+    running, waiting = unseen_requests(candidate, now, config)
+    # Decode steps run as many sequences as the replica will hold: this request, those ahead of it,
+    # up to its slots.
+    batch = min(rates.max_num_seqs, running + waiting + len(candidate.flights) + 1)
+    step = rates.decode_step_at(batch)
 
     def prefill_time(tokens: float) -> float:
         chunks = -(-max(tokens, 1.0) // budget)
         return tokens * rates.prefill_s_per_token + chunks * step
 
-    running, waiting = unseen_requests(candidate, now, config)
     ahead = (
         [Flight(0.0, outputs=int(typical_output // 2), prefilled=True)] * running
         + [Flight(typical_prompt)] * waiting

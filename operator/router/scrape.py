@@ -6,7 +6,8 @@ prometheus-client's parser (an engine's page is mostly histograms). The three ga
 operator's own reader (``remediation.metrics.parse_scrape``), which validates them, deprecated names
 included; so does ``kvpilot_config_info`` (the replica's ``max_num_seqs`` and step budget). The
 replica's rates come from its step counters (kvpilot's ``kvpilot_engine_step_*``: seconds per prefill
-token, seconds per decode step) over its recent work, decayed by half every ``RATE_HALF_LIFE_S``, and
+token, seconds per decode step, and how the decode step grows with the batch, from the counters' batch
+classes) over its recent work, decayed by half every ``RATE_HALF_LIFE_S``, and
 pooled over the replicas (:func:`fleet_rates`); an engine without them (vLLM) gets its decode step
 from ``vllm:inter_token_latency_seconds``' mean.
 """
@@ -30,7 +31,12 @@ from kvpilot.operator.remediation.metrics import MetricsParseError, parse_scrape
 from kvpilot.operator.router.scoring import EngineLoad
 
 GAUGES = (m.NUM_REQUESTS_WAITING, m.NUM_REQUESTS_RUNNING, m.KV_CACHE_USAGE_PERC)
-STEP_COUNTERS = (m.ENGINE_STEPS_TOTAL, m.ENGINE_STEP_SECONDS_TOTAL, m.ENGINE_STEP_TOKENS_TOTAL)
+STEP_COUNTERS = (
+    m.ENGINE_STEPS_TOTAL,
+    m.ENGINE_STEP_SECONDS_TOTAL,
+    m.ENGINE_STEP_TOKENS_TOTAL,
+    m.ENGINE_STEP_SEQS_TOTAL,
+)
 ITL_PARTS = (m.INTER_TOKEN_LATENCY_SECONDS + "_sum", m.INTER_TOKEN_LATENCY_SECONDS + "_count")
 PROMPT_PARTS = (m.REQUEST_PROMPT_TOKENS + "_sum", m.REQUEST_PROMPT_TOKENS + "_count")
 # Prompt characters the door must have matched to engine-counted tokens before it trusts the ratio.
@@ -44,6 +50,11 @@ WANTED = (
     | frozenset(c.removesuffix("_total") for c in STEP_COUNTERS)  # a counter's family in # TYPE
 )
 RATE_HALF_LIFE_S = 30.0  # a replica's rates weigh the work of the last half minute as much as all before
+# Decayed decode steps a batch class needs before its mean step time enters the fit.
+MIN_CLASS_STEPS = 3.0
+
+# (batch class, decode seconds, decode steps, sequences in those steps), one per class, sorted.
+DecodeClasses = tuple[tuple[str, float, float, float], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +72,23 @@ class Totals:
     itl_count: float | None = None
     prompt_tokens_sum: float | None = None
     prompt_tokens_count: float | None = None
+    decode_classes: DecodeClasses = ()
 
 
 def totals_of(text: str) -> Totals:
     """The work counters from the kept lines of a ``/metrics`` body (unparsable: no counters)."""
     sums: dict[tuple[str, str], float] = {}
+    by_class: dict[tuple[str, str], float] = {}  # (counter, batch class) of decode steps
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in STEP_COUNTERS or sample.name in ITL_PARTS or sample.name in PROMPT_PARTS:
-                    key = (sample.name, sample.labels.get("phase", ""))
+                    phase = sample.labels.get("phase", "")
+                    key = (sample.name, phase)
                     sums[key] = sums.get(key, 0.0) + float(sample.value)
+                    if phase == "decode" and m.LABEL_NUM_SEQS in sample.labels:
+                        key = (sample.name, sample.labels[m.LABEL_NUM_SEQS])
+                        by_class[key] = by_class.get(key, 0.0) + float(sample.value)
     except Exception:  # the parser raises ValueError, IndexError, ... on garbage
         return Totals()
 
@@ -88,19 +105,68 @@ def totals_of(text: str) -> Totals:
         itl_count=get(ITL_PARTS[1]),
         prompt_tokens_sum=get(PROMPT_PARTS[0]),
         prompt_tokens_count=get(PROMPT_PARTS[1]),
+        decode_classes=_classes(by_class),
     )
+
+
+def _classes(by_class: Mapping[tuple[str, str], float]) -> DecodeClasses:
+    """Each batch class's decode (seconds, steps, sequences), for the classes that report all three
+    as finite non-negative numbers."""
+    out = []
+    for batch in sorted({batch for _, batch in by_class}):
+        values = [
+            by_class.get((name, batch))
+            for name in (m.ENGINE_STEP_SECONDS_TOTAL, m.ENGINE_STEPS_TOTAL, m.ENGINE_STEP_SEQS_TOTAL)
+        ]
+        if all(v is not None and math.isfinite(v) and v >= 0 for v in values):
+            out.append((batch, *values))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
 class Work:
     """A replica's recent work, each sum decayed by half every ``RATE_HALF_LIFE_S``: prefill-phase
     seconds and tokens, decode-phase seconds and steps (or, without step counters, the inter-token
-    latency's sum and count)."""
+    latency's sum and count), and the decode steps by batch class (seconds, steps, sequences)."""
 
     prefill_seconds: float = 0.0
     prefill_tokens: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: float = 0.0
+    decode_classes: DecodeClasses = ()
+
+    def __add__(self, other: Work) -> Work:
+        classes: dict[str, list[float]] = {}
+        for batch, *values in (*self.decode_classes, *other.decode_classes):
+            sums = classes.setdefault(batch, [0.0, 0.0, 0.0])
+            for i, value in enumerate(values):
+                sums[i] += value
+        return Work(
+            self.prefill_seconds + other.prefill_seconds,
+            self.prefill_tokens + other.prefill_tokens,
+            self.decode_seconds + other.decode_seconds,
+            self.decode_steps + other.decode_steps,
+            tuple((batch, *classes[batch]) for batch in sorted(classes)),
+        )
+
+    def decode_line(self) -> tuple[float, float] | None:
+        """How the decode step grows with the batch: (mean sequences per step, seconds per added
+        sequence), a least-squares line through the batch classes' mean step times weighted by their
+        steps, around the steps' mean. None with fewer than two classes of ``MIN_CLASS_STEPS``; a line
+        that falls (noise) is taken as flat."""
+        points = [
+            (seqs / steps, seconds / steps, steps)
+            for _, seconds, steps, seqs in self.decode_classes
+            if steps >= MIN_CLASS_STEPS and seqs > 0
+        ]
+        if len({round(x, 6) for x, _, _ in points}) < 2:
+            return None
+        weight = sum(w for _, _, w in points)
+        mean_x = sum(x * w for x, _, w in points) / weight
+        mean_y = sum(y * w for _, y, w in points) / weight
+        spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+        slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread
+        return mean_x, max(0.0, slope)
 
     @property
     def prefill_s_per_token(self) -> float | None:
@@ -133,11 +199,20 @@ def updated_work(work: Work, after: Totals, before: Totals, elapsed_s: float) ->
     decode = _pair(after, before, ("decode_seconds", "decode_steps"))
     if after.decode_steps is None:  # no step counters (vLLM): the mean inter-token time
         decode = _pair(after, before, ("itl_sum", "itl_count"))
+    kept = {batch: [v * keep for v in values] for batch, *values in work.decode_classes}
+    earlier = {batch: values for batch, *values in before.decode_classes}
+    for batch, *values in after.decode_classes:
+        grown = [_increase(v, b) for v, b in zip(values, earlier.get(batch, (None,) * 3), strict=True)]
+        if all(g is not None for g in grown):
+            sums = kept.setdefault(batch, [0.0, 0.0, 0.0])
+            for i, g in enumerate(grown):
+                sums[i] += g
     return Work(
         prefill_seconds=work.prefill_seconds * keep + prefill[0],
         prefill_tokens=work.prefill_tokens * keep + prefill[1],
         decode_seconds=work.decode_seconds * keep + decode[0],
         decode_steps=work.decode_steps * keep + decode[1],
+        decode_classes=tuple((batch, *kept[batch]) for batch in sorted(kept)),
     )
 
 
@@ -168,15 +243,16 @@ def fleet_rates(loads: Mapping[str, EngineLoad], works: Iterable[Work]) -> dict[
     it. A rate no replica measured yet is left as each load has it."""
     pool = Work()
     for work in works:
-        pool = Work(
-            *(a + b for a, b in zip(dataclasses.astuple(pool), dataclasses.astuple(work), strict=True))
-        )
+        pool = pool + work
     prefill, decode = pool.prefill_s_per_token, pool.decode_step_s
+    line = pool.decode_line() if decode is not None else None
     return {
         url: dataclasses.replace(
             load,
             prefill_s_per_token=load.prefill_s_per_token if prefill is None else prefill,
             decode_step_s=load.decode_step_s if decode is None else decode,
+            decode_mean_seqs=load.decode_mean_seqs if line is None else line[0],
+            decode_step_per_seq_s=load.decode_step_per_seq_s if line is None else line[1],
         )
         for url, load in loads.items()
     }
@@ -244,6 +320,7 @@ def engine_load(
         work = updated_work(Work(), totals, Totals(), 0.0)
     else:
         work = updated_work(before.work, totals, before.totals, now - before.load.scraped_at)
+    line = work.decode_line() if work.decode_step_s is not None else None
     load = EngineLoad(
         num_requests_waiting=scrape.waiting,
         num_requests_running=scrape.running,
@@ -254,6 +331,8 @@ def engine_load(
         max_num_batched_tokens=_int_label(scrape.live_config, "max_num_batched_tokens"),
         prefill_s_per_token=work.prefill_s_per_token,
         decode_step_s=work.decode_step_s,
+        decode_mean_seqs=None if line is None else line[0],
+        decode_step_per_seq_s=None if line is None else line[1],
     )
     return Reading(load, totals, work, ended, _matched(before, totals, ended))
 

@@ -351,6 +351,61 @@ def test_engine_load_reads_the_sizes_and_the_rates_from_the_recent_work():
     assert fourth.work.prefill_tokens == pytest.approx(third.work.prefill_tokens + 500)
 
 
+def class_page(classes: dict[str, tuple[float, float, float]]) -> str:
+    """PAGE plus decode step counters by batch class: {class: (seconds, steps, sequences)}."""
+    lines = []
+    for i, name in enumerate((m.ENGINE_STEP_SECONDS_TOTAL, m.ENGINE_STEPS_TOTAL, m.ENGINE_STEP_SEQS_TOTAL)):
+        lines.append(f"# TYPE {name} counter")
+        for batch, values in classes.items():
+            lines.append(f'{name}{{engine="0",num_seqs="{batch}",phase="decode"}} {values[i]}')
+            lines.append(f'{name}{{engine="0",num_seqs="{batch}",phase="prefill"}} 7.0')
+    return PAGE + "\n".join(lines) + "\n"
+
+
+def test_the_decode_step_grows_with_the_batch_as_the_batch_classes_measured_it():
+    # 20 steps of one sequence at 25 ms, 10 of eight at 60 ms: 5 ms per added sequence, around the
+    # steps' mean batch of (20 + 80) / 30 sequences, whose mean step is 1.1 s / 30.
+    first = engine_load(class_page({"1": (0.5, 20, 20), "5-8": (0.6, 10, 80)}), NOW).load
+    assert first.decode_step_s == pytest.approx(1.1 / 30)
+    assert first.decode_mean_seqs == pytest.approx(100 / 30)
+    assert first.decode_step_per_seq_s == pytest.approx(0.005)
+    rates = scoring.rates_of(first, ScoringConfig())
+    assert rates.decode_step_at(1) == pytest.approx(0.025) and rates.decode_step_at(8) == pytest.approx(0.06)
+    # 30 s later (half the earlier work kept): 10 more steps of eight, now at 100 ms.
+    reading = engine_load(class_page({"1": (0.5, 20, 20), "5-8": (0.6, 10, 80)}), NOW)
+    later = engine_load(class_page({"1": (0.5, 20, 20), "5-8": (1.6, 20, 160)}), NOW + 30, before=reading)
+    assert dict((b, tuple(v)) for b, *v in later.work.decode_classes) == {
+        "1": pytest.approx((0.25, 10, 10)),
+        "5-8": pytest.approx((0.3 + 1.0, 15, 120)),
+    }
+    # Class means 25 ms at 1 and 1.3 / 15 s at 8: the line through them.
+    assert later.load.decode_step_per_seq_s == pytest.approx((1.3 / 15 - 0.025) / 7)
+    # Steps that got faster with more sequences (noise) are taken as flat; one class gives no line.
+    falling = engine_load(class_page({"1": (0.6, 20, 20), "2": (0.4, 20, 40)}), NOW).load
+    assert falling.decode_step_per_seq_s == 0.0 and falling.decode_step_s == pytest.approx(0.025)
+    alone = engine_load(class_page({"1": (0.5, 20, 20), "5-8": (0.1, 2, 16)}), NOW).load  # 2 < 3 steps
+    assert alone.decode_step_per_seq_s is None and alone.decode_mean_seqs is None
+    # Pooled over replicas: one measured only single sequences, the other only batches of eight.
+    works = [
+        Work(0, 0, 0.5, 20, (("1", 0.5, 20, 20),)),
+        Work(0, 0, 0.6, 10, (("5-8", 0.6, 10, 80),)),
+    ]
+    pooled = fleet_rates({"a": alone, "b": alone}, works)
+    assert pooled["a"].decode_step_per_seq_s == pytest.approx(0.005)
+    assert pooled["b"].decode_mean_seqs == pytest.approx(100 / 30)
+
+
+def test_the_prediction_prices_decode_steps_at_the_batch_the_replica_will_run():
+    # Two slots, both held by answers 10 tokens from their end: a request with nothing to prefill
+    # waits 10 steps for a slot and takes one step to its first token, at a batch of two.
+    flat = load(waiting=0, running=2, in_flight_at_scrape=2, max_num_seqs=2, decode_step_s=0.03)
+    grows = dataclasses.replace(flat, decode_mean_seqs=1.0, decode_step_per_seq_s=0.01)
+    flights = [Flight(0.0, outputs=6, prefilled=True)] * 2
+    kwargs = dict(now=NOW, typical_output=16, typical_prompt=100)
+    assert scoring.predict_ttft(Candidate("a", flights, flat), 0.0, **kwargs) == pytest.approx(11 * 0.03)
+    assert scoring.predict_ttft(Candidate("a", flights, grows), 0.0, **kwargs) == pytest.approx(11 * 0.04)
+
+
 def prompt_page(count: float, tokens: float) -> str:
     """PAGE plus the prompt-token histogram's count and sum (kvpilot and vLLM observe it at the end)."""
     name = m.REQUEST_PROMPT_TOKENS
