@@ -8,7 +8,8 @@ flight
 
 - waits for a sequence slot, which a running request frees when it has generated its last token
   (its remaining tokens times the replica's decode step, after the prefill admitted with it: a step
-  that prefills holds back every running sequence);
+  that prefills holds back every running sequence). A decode step costs more the more sequences it
+  runs, so it is priced at the batch the replica will run with this request (``Rates.decode_step_at``);
 - is then prefilled behind the prefill queued ahead of it (one engine: prefill is serial), at the
   replica's seconds per prefill token, plus one decode step per step-budget chunk.
 
