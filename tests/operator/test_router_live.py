@@ -167,6 +167,42 @@ def test_the_door_learns_the_replicas_prompt_tokens_per_character(replicas, make
     assert door.scraper.tokens_per_char == pytest.approx(tokens / chars, rel=0.1)
 
 
+def test_the_door_prices_the_decode_step_by_batch_from_the_replicas_counters(replicas, make_door):
+    """The door's line of decode step time against batch size comes from the replicas' own step
+    counters by batch class: its mean batch is what they counted (sequences over steps)."""
+    urls = [r.url for r in replicas]
+    door = make_door(urls)
+    body = {"model": MODEL, "prompt": "count", "max_tokens": 24, "ignore_eos": True}
+    # Four answers at once over two replicas of two slots: decode steps of two sequences, then of one
+    # as the answers end.
+    threads = [
+        threading.Thread(target=lambda: httpx.post(door.url + "/v1/completions", json=body, timeout=60))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    def line():
+        load = door.scraper.loads.get(urls[0])
+        return load if load is not None and load.decode_step_per_seq_s is not None else None
+
+    load = wait_for(line, timeout=10, what="the door's decode line")
+    steps = seqs = 0.0
+    for replica in replicas:
+        metrics = replica.metrics()
+        for batch in ("1", "2"):
+            labels = {"phase": "decode", m.LABEL_NUM_SEQS: batch}
+            steps += metrics.value(m.ENGINE_STEPS_TOTAL, **labels)
+            seqs += metrics.value(m.ENGINE_STEP_SEQS_TOTAL, **labels)
+    # The door decays older work by half every 30 s, so its mean batch is near the counters' own.
+    assert 1.0 < load.decode_mean_seqs < 2.0
+    assert load.decode_mean_seqs == pytest.approx(seqs / steps, rel=0.2)
+    assert load.decode_step_per_seq_s >= 0.0
+    assert door.scraper.loads[urls[1]].decode_mean_seqs == load.decode_mean_seqs  # pooled
+
+
 class RouterProcess:
     """``kvpilot router`` as a subprocess on a free port, its log in a file."""
 
