@@ -10,9 +10,15 @@ the KV pool they ran on (torch-free).
   at finish, so an interval's arrivals take the lengths of the requests that finish from it on: the
   histogram increases of that interval and the following ones of the same pod until they hold
   ``MIN_LENGTH_SAMPLES`` requests (earlier ones when the recording ends first). A length is drawn as
-  a bucket by its count, uniform within the bucket, then every draw is scaled by the ratio of the
-  histogram's true mean (sum / count) to the mean of that bucket-uniform distribution, so the mean
-  length -- what the KV pool holds -- is the recorded one.
+  a bucket by its count, then within the bucket, and every draw is scaled by the ratio of the
+  histogram's true mean (sum / count) to the mean of the distribution drawn from, so the mean
+  length -- what the KV pool holds -- is the recorded one. Within a bucket the draw is uniform over
+  it, unless the recording shows how lengths spread there (:func:`bucket_spreads`): the scrape
+  intervals whose requests all fell in that bucket give its mean (their sums over their counts) and,
+  from how much those interval means differ, the lengths' standard deviation (an interval mean of n
+  lengths varies by sigma / sqrt(n)). The draw is then uniform over the mean +- sqrt(3) sigma, within
+  the bucket: a benchmark's fixed lengths are drawn fixed, not spread over a bucket of 10-500 tokens,
+  which would put long generations, and long waits behind them, where there were none.
 * **The KV pool.** ``vllm:cache_config_info``: ``num_gpu_blocks``, ``block_size``, the
   ``gpu_memory_utilization`` it was sized with, whether it was sized explicitly
   (``num_gpu_blocks_override``), ``enable_prefix_caching`` and ``num_cpu_blocks``.
@@ -46,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from kvpilot.engine import metrics_names as m
 from kvpilot.engine.errors import KVCacheSizeError
 from kvpilot.engine.memory import plan_kv_pool
+from kvpilot.operator.plan.lengths import LengthDistribution, bucket_spreads
 from kvpilot.operator.plan.recording import Interval, PlanScrape, RecordingError, intervals_of
 from kvpilot.operator.plan.simulate import Arrival
 from kvpilot.operator.plan.step_time import StepWindow
@@ -56,40 +63,6 @@ SATURATED_FRACTION = 0.9  # of the scrapes with a queue (or near the peak): the 
 # A pod "near its peak" holds at least this share of the most requests it ever held: a closed-loop
 # client between two of its requests (the answer read, the next one not yet in) is not in flight.
 NEAR_PEAK = 0.75
-
-
-@dataclasses.dataclass(frozen=True)
-class LengthDistribution:
-    """Token lengths drawn from a cumulative histogram (see the module doc)."""
-
-    histogram: Histogram
-
-    @property
-    def mean(self) -> float:
-        return self.histogram.sum / self.histogram.count
-
-    def _bucket_ranges(self) -> list[tuple[float, float, float]]:
-        """(low, high, count) of each bucket that holds observations; the ``+Inf`` bucket is the
-        point at the highest finite bound."""
-        out = []
-        low = 0.0
-        previous = 0.0
-        for le, cumulative in self.histogram.buckets:
-            count = cumulative - previous
-            high = low if math.isinf(le) else le
-            if count > 0:
-                out.append((low, high, count))
-            previous, low = cumulative, high
-        return out
-
-    def sample(self, rng: random.Random, n: int) -> list[int]:
-        """``n`` lengths (>= 1), scaled so that their expected mean is the histogram's."""
-        ranges = self._bucket_ranges()
-        weights = [c for _, _, c in ranges]
-        uniform_mean = sum((lo + hi) / 2 * c for lo, hi, c in ranges) / sum(weights)
-        scale = self.mean / uniform_mean if uniform_mean > 0 else 1.0
-        picks = rng.choices(ranges, weights=weights, k=n)
-        return [max(1, round(scale * rng.uniform(lo, hi))) for lo, hi, _ in picks]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +309,14 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         by_pod.setdefault(interval.pod, []).append(interval)
     windows: list[ArrivalWindow] = []
     lacking = []
+    spreads = {
+        name: bucket_spreads(h for i in intervals if (h := i.histograms.get(name)) is not None)
+        for name in (m.REQUEST_PROMPT_TOKENS, m.REQUEST_GENERATION_TOKENS)
+    }
+
+    def lengths(histogram: Histogram, name: str) -> LengthDistribution:
+        return LengthDistribution(histogram, spreads[name])
+
     for pod, series in sorted(by_pod.items()):
         if not any(m.REQUEST_SUCCESS_TOTAL in i.counters for i in series):
             lacking.append(f"{pod}: {m.REQUEST_SUCCESS_TOTAL}")
@@ -368,8 +349,8 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
                             interval.start - start,
                             0.0,
                             head,
-                            LengthDistribution(prompt),
-                            LengthDistribution(generation),
+                            lengths(prompt, m.REQUEST_PROMPT_TOKENS),
+                            lengths(generation, m.REQUEST_GENERATION_TOKENS),
                         )
                     )
                 windows.append(
@@ -377,8 +358,8 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
                         interval.start - start,
                         interval.seconds,
                         num - head,
-                        LengthDistribution(prompt),
-                        LengthDistribution(generation),
+                        lengths(prompt, m.REQUEST_PROMPT_TOKENS),
+                        lengths(generation, m.REQUEST_GENERATION_TOKENS),
                     )
                 )
                 counted += num
