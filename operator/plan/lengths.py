@@ -30,6 +30,15 @@ class BucketSpread:
     std: float
 
 
+def _bucket_counts(histogram: Histogram) -> list[tuple[float, float]]:
+    """(upper bound, observations) of each bucket of a cumulative histogram."""
+    counts, previous = [], 0.0
+    for le, cumulative in histogram.buckets:
+        counts.append((le, cumulative - previous))
+        previous = cumulative
+    return counts
+
+
 def bucket_spreads(histograms: Iterable[Histogram]) -> dict[float, BucketSpread]:
     """Per bucket (by its upper bound), the lengths' mean and standard deviation, from the intervals'
     histograms whose observations all fell in that one finite bucket: the mean of their means
@@ -40,12 +49,7 @@ def bucket_spreads(histograms: Iterable[Histogram]) -> dict[float, BucketSpread]
     for h in histograms:
         if h.count <= 0:
             continue
-        previous = 0.0
-        holding = []
-        for le, cumulative in h.buckets:
-            if cumulative - previous > 0:
-                holding.append(le)
-            previous = cumulative
+        holding = [le for le, count in _bucket_counts(h) if count > 0]
         if len(holding) == 1 and math.isfinite(holding[0]) and math.isfinite(h.sum):
             pure.setdefault(holding[0], []).append((h.count, h.sum / h.count))
     out = {}
@@ -77,9 +81,7 @@ class LengthDistribution:
         ``+Inf`` bucket is the point at the highest finite bound."""
         out = []
         low = 0.0
-        previous = 0.0
-        for le, cumulative in self.histogram.buckets:
-            count = cumulative - previous
+        for le, count in _bucket_counts(self.histogram):
             high = low if math.isinf(le) else le
             if count > 0:
                 spread = self.spreads.get(le)
@@ -88,7 +90,7 @@ class LengthDistribution:
                 else:
                     half = math.sqrt(3.0) * spread.std
                     out.append((max(low, spread.mean - half), min(high, spread.mean + half), count))
-            previous, low = cumulative, high
+            low = high
         return out
 
     def sample(self, rng: random.Random, n: int) -> list[int]:

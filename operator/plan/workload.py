@@ -9,16 +9,10 @@ the KV pool they ran on (torch-free).
 * **Lengths.** ``vllm:request_prompt_tokens`` / ``vllm:request_generation_tokens`` are also observed
   at finish, so an interval's arrivals take the lengths of the requests that finish from it on: the
   histogram increases of that interval and the following ones of the same pod until they hold
-  ``MIN_LENGTH_SAMPLES`` requests (earlier ones when the recording ends first). A length is drawn as
-  a bucket by its count, then within the bucket, and every draw is scaled by the ratio of the
-  histogram's true mean (sum / count) to the mean of the distribution drawn from, so the mean
-  length -- what the KV pool holds -- is the recorded one. Within a bucket the draw is uniform over
-  it, unless the recording shows how lengths spread there (:func:`bucket_spreads`): the scrape
-  intervals whose requests all fell in that bucket give its mean (their sums over their counts) and,
-  from how much those interval means differ, the lengths' standard deviation (an interval mean of n
-  lengths varies by sigma / sqrt(n)). The draw is then uniform over the mean +- sqrt(3) sigma, within
-  the bucket: a benchmark's fixed lengths are drawn fixed, not spread over a bucket of 10-500 tokens,
-  which would put long generations, and long waits behind them, where there were none.
+  ``MIN_LENGTH_SAMPLES`` requests (earlier ones when the recording ends first). They are drawn as
+  :mod:`~kvpilot.operator.plan.lengths` says, with the mean the recording shows, and within a bucket
+  with the spread its scrape intervals show there (a benchmark's fixed lengths are drawn fixed, not
+  spread over a bucket of 10-500 tokens, which would put long waits where there were none).
 * **The KV pool.** ``vllm:cache_config_info``: ``num_gpu_blocks``, ``block_size``, the
   ``gpu_memory_utilization`` it was sized with, whether it was sized explicitly
   (``num_gpu_blocks_override``), ``enable_prefix_caching`` and ``num_cpu_blocks``.

@@ -123,6 +123,16 @@ def _classes(by_class: Mapping[tuple[str, str], float]) -> DecodeClasses:
     return tuple(out)
 
 
+def _summed(*rows: Iterable[tuple[str, float, float, float]]) -> DecodeClasses:
+    """Batch-class rows added up class by class, sorted by class."""
+    sums: dict[str, list[float]] = {}
+    for batch, *values in (row for group in rows for row in group):
+        total = sums.setdefault(batch, [0.0, 0.0, 0.0])
+        for i, value in enumerate(values):
+            total[i] += value
+    return tuple((batch, *sums[batch]) for batch in sorted(sums))
+
+
 @dataclasses.dataclass(frozen=True)
 class Work:
     """A replica's recent work, each sum decayed by half every ``RATE_HALF_LIFE_S``: prefill-phase
@@ -136,17 +146,12 @@ class Work:
     decode_classes: DecodeClasses = ()
 
     def __add__(self, other: Work) -> Work:
-        classes: dict[str, list[float]] = {}
-        for batch, *values in (*self.decode_classes, *other.decode_classes):
-            sums = classes.setdefault(batch, [0.0, 0.0, 0.0])
-            for i, value in enumerate(values):
-                sums[i] += value
         return Work(
             self.prefill_seconds + other.prefill_seconds,
             self.prefill_tokens + other.prefill_tokens,
             self.decode_seconds + other.decode_seconds,
             self.decode_steps + other.decode_steps,
-            tuple((batch, *classes[batch]) for batch in sorted(classes)),
+            _summed(self.decode_classes, other.decode_classes),
         )
 
     def decode_line(self) -> tuple[float, float] | None:
@@ -199,20 +204,19 @@ def updated_work(work: Work, after: Totals, before: Totals, elapsed_s: float) ->
     decode = _pair(after, before, ("decode_seconds", "decode_steps"))
     if after.decode_steps is None:  # no step counters (vLLM): the mean inter-token time
         decode = _pair(after, before, ("itl_sum", "itl_count"))
-    kept = {batch: [v * keep for v in values] for batch, *values in work.decode_classes}
+    kept = [(batch, *(v * keep for v in values)) for batch, *values in work.decode_classes]
     earlier = {batch: values for batch, *values in before.decode_classes}
+    grown = []
     for batch, *values in after.decode_classes:
-        grown = [_increase(v, b) for v, b in zip(values, earlier.get(batch, (None,) * 3), strict=True)]
-        if all(g is not None for g in grown):
-            sums = kept.setdefault(batch, [0.0, 0.0, 0.0])
-            for i, g in enumerate(grown):
-                sums[i] += g
+        increases = [_increase(v, b) for v, b in zip(values, earlier.get(batch, (None,) * 3), strict=True)]
+        if all(g is not None for g in increases):
+            grown.append((batch, *increases))
     return Work(
         prefill_seconds=work.prefill_seconds * keep + prefill[0],
         prefill_tokens=work.prefill_tokens * keep + prefill[1],
         decode_seconds=work.decode_seconds * keep + decode[0],
         decode_steps=work.decode_steps * keep + decode[1],
-        decode_classes=tuple((batch, *kept[batch]) for batch in sorted(kept)),
+        decode_classes=_summed(kept, grown),
     )
 
 
