@@ -591,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="storm,long,steady,vllm", help="comma-separated subset")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_fidelity.json")
+    parser.add_argument(
+        "--keep", type=Path, help="keep every run's recording, request trace and log in this directory"
+    )
     args = parser.parse_args(argv)
     from kvpilot.kernels import isa
 
@@ -601,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="plan-fidelity-") as tmp:
         workdir = Path(tmp)
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            workdir = args.keep
         model = workdir / "model"
         if any(c.name in wanted for c in CASES):
             from kvpilot.engine.models.synthetic import build_checkpoint

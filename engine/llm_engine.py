@@ -292,8 +292,10 @@ class LLMEngine(ShutdownOnExit):
         outputs = self.output_processor.make_outputs(processed)
         if self.stat_loggers:
             num_preemptions = self.scheduler.num_preemptions_total - num_preemptions_before
-            self._log_stats(sched_out, runner_out, processed.record, num_preemptions, t1 - t0, t2, t0)
-            self._busy_since = time.perf_counter() if self.scheduler.requests else None
+            ended = self._log_stats(sched_out, runner_out, processed.record, num_preemptions, t1 - t0, t2, t0)
+            # The next step's wall time runs from this one's end, so what the loggers take counts too:
+            # a running sequence waits it between two tokens.
+            self._busy_since = ended if self.scheduler.requests else None
         return outputs
 
     def _log_stats(
@@ -305,7 +307,8 @@ class LLMEngine(ShutdownOnExit):
         schedule_s: float,
         executed_at: float,
         step_began: float,
-    ) -> None:
+    ) -> float:
+        """Hand the step's stats to the loggers; returns when its wall time was taken (its end)."""
         now = time.perf_counter()
         update_s = max(0.0, now - executed_at)
         # Busy since the previous step ended (work was left then): the step held the engine from then
@@ -317,6 +320,7 @@ class LLMEngine(ShutdownOnExit):
         sched_stats = self.scheduler.stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched_stats, stats)
+        return now
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

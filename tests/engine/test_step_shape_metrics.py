@@ -122,6 +122,36 @@ def test_batched_steps_count_in_their_class(tiny_llama) -> None:
     )
 
 
+def test_step_seconds_hold_the_whole_cycle_the_loggers_included(tiny_llama) -> None:
+    """A running sequence waits for everything between two of its steps, the stat loggers' own time
+    too: the steps' wall seconds must hold it, or a planner fitted on them runs the engine faster than
+    it is."""
+    from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine.metrics import PrometheusStatLogger
+    from kvpilot.engine.stats import StatLoggerBase
+
+    pause = 0.004
+
+    class SlowLogger(StatLoggerBase):
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            time.sleep(pause)
+
+    llm = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=64, max_model_len=128, max_num_seqs=8)
+    engine = llm.llm_engine
+    logger = PrometheusStatLogger.from_engine(engine, "m")
+    engine.stat_loggers += [logger, SlowLogger()]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    began = time.perf_counter()
+    llm.generate([{"prompt_token_ids": [9] * 12}], params, use_tqdm=False)
+    elapsed = time.perf_counter() - began
+    series = _series(logger.registry)
+    steps = _total(series, names.ENGINE_STEPS_TOTAL)
+    seconds = _total(series, names.ENGINE_STEP_SECONDS_TOTAL)
+    assert steps == 24
+    # Every step but the first starts when the one before it ended, its loggers' pause included.
+    assert (steps - 1) * pause <= seconds <= elapsed
+
+
 def test_attention_shape_of_decodes_and_chunks_at_several_positions() -> None:
     out = SchedulerOutput([_slice(3, 1), _slice(0, 7), _slice(12, 2), _slice(40, 1)], 11)
     assert (
