@@ -77,7 +77,6 @@ from kvpilot.operator.api.spec import engine_snake_args
 from kvpilot.operator.demo.prepare import start_process, stop_process, wait_for_line
 from kvpilot.operator.plan.candidates import Candidate, calibrate_ttft, context_of, evaluate
 from kvpilot.operator.plan.recording import read_recording
-from kvpilot.operator.plan.step_time import fit_step_time
 from kvpilot.operator.plan.workload import workload_from_scrapes
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -393,7 +392,7 @@ def predict(
     """The plan's simulation of each candidate on the workload of ``recording``; TTFT p99 also binned
     into the engine's TTFT buckets (``ttft_bounds``)."""
     workload = workload_from_scrapes(read_recording(recording, doc))
-    step_time = fit_step_time(workload.step_windows)
+    step_time = workload.step_time()
     ctx, _ = calibrate_ttft(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
     out = []
     for candidate in candidates:

@@ -30,7 +30,6 @@ except ImportError:  # run as a script: put the repository root on the path
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.plan.candidates import candidate_grid, context_of, evaluate
 from kvpilot.operator.plan.recording import read_recording
-from kvpilot.operator.plan.step_time import fit_step_time
 from kvpilot.operator.plan.workload import Workload, workload_from_scrapes
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = isvc()
     t0 = time.perf_counter()
     recorded = workload_from_scrapes(read_recording(FIXTURE, doc))
-    step_time = fit_step_time(recorded.step_windows)
+    step_time = recorded.step_time()
     read_s = time.perf_counter() - t0
     workload = tiled(recorded, args.minutes * 60)
     ctx = context_of(resolve(doc), workload)

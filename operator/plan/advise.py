@@ -41,7 +41,7 @@ from kvpilot.operator.plan.candidates import (
     evaluate,
 )
 from kvpilot.operator.plan.recording import PlanScrape, RecordingError, intervals_of, parse_plan_scrape
-from kvpilot.operator.plan.step_time import StepTimeError, fit_step_time
+from kvpilot.operator.plan.step_time import StepTimeError
 from kvpilot.operator.plan.workload import Workload, workload_from_scrapes
 from kvpilot.operator.remediation.planned import (
     PlannedChange,
@@ -174,7 +174,7 @@ def plan_storm(
     plan = settings.remediation.plan
     try:
         workload = workload_from_scrapes(scrapes)
-        step_time = fit_step_time(workload.step_windows)
+        step_time = workload.step_time()
     except (RecordingError, StepTimeError) as exc:
         return PlanVerdict(None, f"the traffic since the last change cannot be simulated: {exc}")
     if workload.num_requests < plan.min_requests:

@@ -29,7 +29,7 @@ from kvpilot.operator.plan.candidates import (
     run_plan,
 )
 from kvpilot.operator.plan.recording import PlanScrape, RecordingError, read_recording
-from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError, fit_step_time
+from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError
 from kvpilot.operator.plan.trace import with_trace
 from kvpilot.operator.plan.workload import Workload, workload_from_scrapes
 
@@ -221,7 +221,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         workload = workload_from_scrapes(scrapes)
         if args.trace:
             workload = with_trace(workload, scrapes, args.trace)
-        step_time = fit_step_time(workload.step_windows)
+        step_time = workload.step_time()
     except (RecordingError, StepTimeError) as exc:
         print(f"error: {args.recording}: {exc}", file=sys.stderr)
         return 1

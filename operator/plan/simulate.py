@@ -18,7 +18,9 @@ simulation adds is only the clock (``step_time``) and the token values (which de
 ``LLMEngine`` step for step.
 
 Clock: a step scheduled at ``now`` ends at ``now + step_seconds(tokens, seqs, context, pairs)`` (the
-step's shape as ``SchedulerOutput`` counts it); its sampled tokens are stamped with that end time.
+step's shape as ``SchedulerOutput`` counts it), times ``step_time.factor_at(now)`` where the model has
+one (the recording's slow stretches, ``step_time.with_variation``; the arrivals' clock is the
+recording's); its sampled tokens are stamped with that end time.
 Arrivals up to the start of a step are queued before it; with nothing to run the clock jumps to the
 next arrival.
 """
@@ -347,6 +349,7 @@ def simulate(
     ordered = sorted(arrivals, key=lambda a: a.time)
     # The attention totals of each step, only for a model that prices them (one pass per step).
     shaped = getattr(step_time, "uses_attention_shape", True)
+    factor_at = getattr(step_time, "factor_at", None)
     engine = SimulatedEngine(settings)
     sched = engine.scheduler
     bm = sched.block_manager
@@ -392,6 +395,8 @@ def simulate(
             duration = step_time.step_seconds(out.num_batched_tokens, len(out.scheduled), context, pairs)
         else:
             duration = step_time.step_seconds(out.num_batched_tokens, len(out.scheduled))
+        if factor_at is not None:
+            duration *= factor_at(now)
         if not duration > 0:
             raise SimulationError(f"the step-time model gave {duration!r} s for a step; it must be positive")
         now += duration

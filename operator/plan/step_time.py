@@ -27,7 +27,21 @@ with their totals. Two sources, best first:
   mean ``vllm:inter_token_latency_seconds`` per step. No attention terms (their totals are unknown:
   ``shape_known`` False), so ``d`` and ``e`` are not fitted.
 
-Each window weighs as many steps as it holds. What it cannot capture: CUDA-graph batch-size buckets,
+Each window weighs as many steps as it holds.
+
+**Variation over time** (``with_variation``). The fit is a mean: on a busy box the same steps run
+slower for a while (other processes on the cores, the server's share of the interpreter) and the
+queue behind them grows, which is where a TTFT p99 comes from. Each scrape interval with at least
+``MIN_VARIATION_STEPS`` steps gives the ratio of the time its steps took to the time the fit gives
+them (pods that overlap in time pool their steps); the simulator multiplies a step's time by the
+ratio of the interval its clock is in (the recording's clock, from its start, repeated past its end;
+1 outside the measured intervals). So the simulation runs through the slow stretches the recording
+had, at the times it had them, under every candidate. Only where the windows know their shape
+(kvpilot's counters): without the attention terms, what the fit misses is mostly the steps' shape,
+not the box. What it cannot see: slowdowns shorter than a scrape interval, which the interval's mean
+smooths out.
+
+What the fit cannot capture: CUDA-graph batch-size buckets,
 swap and copy time, and anything the recording never exercised (shapes outside those seen extrapolate
 linearly in the terms). With fewer distinct windows than terms, the terms the data cannot tell apart
 are dropped (``terms``).
@@ -35,11 +49,15 @@ are dropped (``terms``).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
 
 TERMS = ("a", "b", "c", "d", "e")
+# An interval gives a variation factor only with this many steps: fewer are one request's jitter,
+# not a slow stretch.
+MIN_VARIATION_STEPS = 20
 # The order terms are given up in when the data cannot support them: the finest first.
 _DROP_ORDER = ("e", "d", "c", "b", "a")
 
@@ -107,11 +125,18 @@ class LinearStepTime:
     terms: tuple[str, ...] = TERMS[:3]
     num_windows: int = 0
     rmse_s: float | None = None
+    # The recorded variation (``with_variation``): segments (start, end, factor) in seconds from the
+    # recording's start, in time order; empty: none (every step at the fit's time).
+    variation: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         values = (self.a, self.b, self.c, self.d, self.e)
         if not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
             raise StepTimeError(f"step-time coefficients must be finite, >= 0 and not all 0, got {values}")
+        if not all(math.isfinite(f) and f > 0 and end > start for start, end, f in self.variation):
+            raise StepTimeError("step-time variation segments need end > start and a factor > 0")
+        # Where each segment starts, for factor_at's search (not a field: derived from variation).
+        object.__setattr__(self, "_starts", [start for start, _, _ in self.variation])
 
     @property
     def uses_attention_shape(self) -> bool:
@@ -135,6 +160,21 @@ class LinearStepTime:
         # A step always takes some time: without a fixed cost, one token of one sequence is the floor.
         return seconds if seconds > 0 else self.b + self.c + self.d
 
+    def factor_at(self, t: float) -> float:
+        """How much slower than the fit a step starting at ``t`` (seconds from the recording's start)
+        runs: the factor of the recorded segment holding ``t``, the recording repeated past its end;
+        1.0 without variation or outside every segment."""
+        if not self.variation:
+            return 1.0
+        first, last = self.variation[0][0], self.variation[-1][1]
+        if t >= last and last > first:
+            t = first + (t - first) % (last - first)
+        i = bisect.bisect_right(self._starts, t) - 1
+        if i < 0:
+            return 1.0
+        start, end, factor = self.variation[i]
+        return factor if start <= t < end else 1.0
+
     def describe(self) -> str:
         parts = [f"{self.a * 1e3:.3f} ms", f"{self.b * 1e6:.3f} us/token", f"{self.c * 1e6:.3f} us/seq"]
         if self.d or "d" in self.terms:
@@ -145,6 +185,14 @@ class LinearStepTime:
             f"step = {' + '.join(parts)} "
             f"(fitted on {self.num_windows} window(s), terms {'+'.join(self.terms)}"
             + (f", rmse {self.rmse_s * 1e3:.3f} ms)" if self.rmse_s is not None else ")")
+            + (self._describe_variation() if self.variation else "")
+        )
+
+    def _describe_variation(self) -> str:
+        factors = [f for _, _, f in self.variation]
+        return (
+            f"; the recording's variation replayed: x{min(factors):.2f}-x{max(factors):.2f} "
+            f"over {len(factors)} segment(s)"
         )
 
 
@@ -241,3 +289,45 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
                 factor = rows[r][col] / rows[col][col]
                 rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col], strict=True)]
     return [rows[i][k] / rows[i][i] for i in range(k)]
+
+
+def with_variation(
+    model: LinearStepTime,
+    intervals: Sequence[tuple[float, float, Sequence[StepWindow]]],
+    min_steps: float = MIN_VARIATION_STEPS,
+) -> LinearStepTime:
+    """``model`` with the variation over time of ``intervals`` (start, end in seconds from the
+    recording's start, and the step windows measured in it; see the module doc): for each stretch
+    between two interval bounds, the time the steps of the intervals covering it took over the time
+    ``model`` gives them, from the intervals with at least ``min_steps`` steps whose windows know their
+    shape (kvpilot's step counters). Stretches no such interval covers keep the fit's time. Without
+    any such interval the model is returned as it is.
+
+    Only shaped windows count: where the fit has no attention terms (another engine's counters), what
+    it leaves unexplained is mostly the steps' shape -- a stretch of recomputed prompts after a
+    preemption -- which a candidate that does not preempt would not repeat; replaying it would slow
+    that candidate for the settings in force's misfortune."""
+    usable = []
+    for start, end, windows in intervals:
+        steps = sum(w.num_steps for w in windows)
+        if end > start and steps >= min_steps and all(w.shape_known for w in windows):
+            took = sum(w.seconds for w in windows)
+            given = sum(_predict(model, w) * w.num_steps for w in windows)
+            if took > 0 and given > 0:
+                usable.append((start, end, took, given))
+    if not usable:
+        return model
+    # A sweep over the bounds: between two, the intervals open there pool their steps' times.
+    events = sorted(
+        [(start, 1, took, given) for start, _, took, given in usable]
+        + [(end, -1, took, given) for _, end, took, given in usable]
+    )
+    segments: list[tuple[float, float, float]] = []
+    open_intervals, took_sum, given_sum = 0, 0.0, 0.0
+    for (at, sign, took, given), following in zip(events, [*events[1:], None], strict=True):
+        open_intervals += sign
+        took_sum += sign * took
+        given_sum += sign * given
+        if following is not None and following[0] > at and open_intervals > 0 and given_sum > 0:
+            segments.append((at, following[0], took_sum / given_sum))
+    return dataclasses.replace(model, variation=tuple(segments))

@@ -16,7 +16,9 @@ the KV pool they ran on (torch-free).
 * **The KV pool.** ``vllm:cache_config_info``: ``num_gpu_blocks``, ``block_size``, the
   ``gpu_memory_utilization`` it was sized with, whether it was sized explicitly
   (``num_gpu_blocks_override``), ``enable_prefix_caching`` and ``num_cpu_blocks``.
-* **Step windows** for ``step_time.fit_step_time`` (see there).
+* **Step windows** for ``step_time.fit_step_time``, and by interval (``step_intervals``) for the
+  variation over time ``step_time.with_variation`` replays (see there; ``Workload.step_time`` does
+  both).
 
 * **Client concurrency.** The most requests the pods held at once (``peak_in_flight``): clients
   that wait for answers never keep more in flight, whatever the engine does. The plan caps each
@@ -49,7 +51,7 @@ from kvpilot.engine.memory import plan_kv_pool
 from kvpilot.operator.plan.lengths import LengthDistribution, bucket_spreads
 from kvpilot.operator.plan.recording import Interval, PlanScrape, RecordingError, intervals_of
 from kvpilot.operator.plan.simulate import Arrival
-from kvpilot.operator.plan.step_time import StepWindow
+from kvpilot.operator.plan.step_time import LinearStepTime, StepWindow, fit_step_time, with_variation
 from kvpilot.operator.remediation.metrics import Histogram
 
 MIN_LENGTH_SAMPLES = 8
@@ -181,6 +183,14 @@ class Workload:
     # exported, or no first token in it): what the engine measured from a request's arrival, which
     # includes time the simulated scheduler does not see (see candidates.calibrate_ttft).
     ttft_mean_s: float | None = None
+    # The step windows by pod interval: (start, end) in seconds from the recording's start, and the
+    # interval's windows (those of ``step_windows``).
+    step_intervals: tuple[tuple[float, float, tuple[StepWindow, ...]], ...] = ()
+
+    def step_time(self) -> LinearStepTime:
+        """The step-time model fitted on the recorded steps, with their variation over time (see
+        ``step_time``). Raises StepTimeError when no window holds a step."""
+        return with_variation(fit_step_time(self.step_windows), self.step_intervals)
 
     @property
     def preemptions_per_s(self) -> float:
@@ -360,7 +370,10 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
     if not windows:
         detail = f" (missing: {'; '.join(lacking)})" if lacking else ""
         raise RecordingError(f"no request finished in the recording: nothing to plan for{detail}")
-    step_windows = tuple(w for i in intervals for w in step_windows_of(i))
+    step_intervals = tuple(
+        (i.start - start, i.start - start + i.seconds, tuple(step_windows_of(i))) for i in intervals
+    )
+    step_windows = tuple(w for _, _, windows in step_intervals for w in windows)
     return Workload(
         windows=tuple(windows),
         pool=pool,
@@ -371,6 +384,7 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         peak_in_flight=_peak_in_flight(scrapes),
         saturated=_saturated(scrapes),
         ttft_mean_s=_mean_of(intervals, m.TIME_TO_FIRST_TOKEN_SECONDS),
+        step_intervals=step_intervals,
     )
 
 

@@ -330,3 +330,28 @@ def test_kvpilot_replay_both_paths_prints_each_run_and_their_changes(tmp_path, c
     assert main([*args, "--no-plan", "--output", "json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["path"] for line in lines if line["action"] == "apply"] == [None]
+
+
+def test_latency_quantiles_pool_draws_of_a_short_recording(storm_scrapes, monkeypatch):
+    """A recording of a few hundred requests is drawn again until its latencies rest on
+    MIN_LATENCY_SAMPLES requests; the other predictions stay the first draw's, and a trace (the same
+    requests every time) is drawn once."""
+    import dataclasses
+
+    from kvpilot.operator.plan import candidates as cand
+
+    doc = _storm_isvc()
+    workload = workload_from_scrapes(storm_scrapes)
+    step_time = workload.step_time()
+    ctx = context_of(resolve(doc), workload)
+    first = cand.evaluate(ctx.current, ctx, workload, step_time, seed=0)
+    draws = min(-(-cand.MIN_LATENCY_SAMPLES // workload.num_requests), cand.MAX_REALIZATIONS)  # 2 here
+    monkeypatch.setattr(cand, "MAX_REALIZATIONS", 1)
+    alone = cand.evaluate(ctx.current, ctx, workload, step_time, seed=0)
+    assert len(alone.result.ttft_s) == workload.num_requests < cand.MIN_LATENCY_SAMPLES
+    assert len(first.result.ttft_s) == draws * workload.num_requests
+    assert first.result.ttft_s[: workload.num_requests] == alone.result.ttft_s
+    assert first.result.samples == alone.result.samples  # the rest is the first draw's
+    monkeypatch.setattr(cand, "MAX_REALIZATIONS", 8)
+    traced = dataclasses.replace(workload, trace=tuple(workload.arrivals(0)))
+    assert len(cand.evaluate(ctx.current, ctx, traced, step_time).result.ttft_s) == workload.num_requests

@@ -268,3 +268,29 @@ def test_max_in_flight_holds_arrivals_back_like_waiting_clients() -> None:
     # Latency counts from when a client sends: the held-back requests do not wait in the engine.
     assert max(capped.ttft_s) < max(open_loop.ttft_s)
     assert capped.duration_s > open_loop.duration_s  # two at a time instead of four
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowAfter:
+    """1 s a step, ``factor`` times that for a step that starts at or after ``at`` (a recorded slow
+    stretch, as ``LinearStepTime.factor_at`` gives it)."""
+
+    at: float
+    factor: float
+
+    def step_seconds(self, num_batched_tokens: int, num_seqs: int, *shape: int) -> float:
+        return 1.0
+
+    def factor_at(self, t: float) -> float:
+        return self.factor if t >= self.at else 1.0
+
+
+def test_a_step_takes_its_time_times_the_factor_where_it_starts() -> None:
+    settings = EngineSettings(
+        num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128
+    )
+    # One request, 4 steps (its prompt, then 3 decodes) starting at 0, 1, 2 and 4.5: the third step
+    # starts in the slow stretch (from 1.5 s, 2.5 times slower) and so does the fourth.
+    result = simulate(settings, [Arrival(0.0, 10, 4)], SlowAfter(1.5, 2.5))
+    assert [s.time for s in result.samples] == [1.0, 2.0, 4.5, 7.0]
+    assert result.ttft_s == (1.0,) and result.itl_s == (1.0, 2.5, 2.5)

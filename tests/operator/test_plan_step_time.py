@@ -7,7 +7,13 @@ import random
 
 import pytest
 
-from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError, StepWindow, fit_step_time
+from kvpilot.operator.plan.step_time import (
+    LinearStepTime,
+    StepTimeError,
+    StepWindow,
+    fit_step_time,
+    with_variation,
+)
 
 TRUE = LinearStepTime(a=0.004, b=2e-5, c=3e-4)
 
@@ -155,3 +161,51 @@ def test_collinear_tokens_and_seqs_keep_the_attention_terms() -> None:
     assert "c" not in model.terms and "d" in model.terms
     assert model.d == pytest.approx(SHAPED.d, rel=1e-6)
     assert model.b == pytest.approx(SHAPED.b + SHAPED.c, rel=1e-6)
+
+
+def _decodes(num_steps: float, seconds: float) -> StepWindow:
+    """``num_steps`` one-sequence decodes of one token each that took ``seconds`` in all."""
+    return StepWindow(num_steps, num_steps, num_steps, seconds, shape_known=True)
+
+
+def test_variation_is_each_stretchs_time_over_the_fits() -> None:
+    model = LinearStepTime(a=0.001)  # 1 ms a step whatever its shape
+    intervals = [
+        (0.0, 1.0, (_decodes(100, 0.1),)),  # as fitted
+        (1.0, 2.0, (_decodes(50, 0.075), _decodes(50, 0.075))),  # 1.5 ms a step: x1.5
+        (2.0, 3.0, (_decodes(10, 0.05),)),  # too few steps to tell a slow stretch from one slow step
+        (3.0, 4.0, (_decodes(100, 0.08),)),  # x0.8
+    ]
+    varied = with_variation(model, intervals, min_steps=20)
+    assert [(start, end) for start, end, _ in varied.variation] == [(0.0, 1.0), (1.0, 2.0), (3.0, 4.0)]
+    assert [f for _, _, f in varied.variation] == pytest.approx([1.0, 1.5, 0.8])
+    assert [varied.factor_at(t) for t in (0.5, 1.0, 1.99, 2.5, 3.2)] == pytest.approx(
+        [1.0, 1.5, 1.5, 1.0, 0.8]
+    )
+    assert varied.factor_at(-1.0) == 1.0  # before the recording
+    # Past the recording's end (4 s) the stretches repeat: 5.5 s is 1.5 s, 7.5 s is 3.5 s.
+    assert varied.factor_at(5.5) == pytest.approx(1.5) and varied.factor_at(7.5) == pytest.approx(0.8)
+    # The fit's own time is unchanged; the simulator multiplies by the factor.
+    assert varied.step_seconds(1, 1) == model.step_seconds(1, 1)
+    assert "x0.80-x1.50 over 3 segment(s)" in varied.describe()
+
+
+def test_variation_pools_the_pods_that_overlap() -> None:
+    model = LinearStepTime(a=0.001)
+    # Two pods scraped half a second apart: where both are open their steps pool (x1 with 300 steps
+    # and x2 with 100: 500 ms over 400 ms), elsewhere each pod's own factor.
+    intervals = [(0.0, 1.0, (_decodes(300, 0.3),)), (0.5, 1.5, (_decodes(100, 0.2),))]
+    varied = with_variation(model, intervals, min_steps=20)
+    assert [(start, end) for start, end, _ in varied.variation] == [(0.0, 0.5), (0.5, 1.0), (1.0, 1.5)]
+    assert [f for _, _, f in varied.variation] == pytest.approx([1.0, 0.5 / 0.4, 2.0])
+
+
+def test_no_variation_without_shaped_windows_or_steps() -> None:
+    model = LinearStepTime(a=0.001)
+    # Another engine's windows (no shape): what the fit misses there is mostly the steps' shape.
+    unshaped = [(0.0, 1.0, (StepWindow(100, 100, 100, 0.3),))]
+    assert with_variation(model, unshaped).variation == ()
+    assert with_variation(model, [(0.0, 1.0, ())]) is model
+    assert model.factor_at(3.0) == 1.0
+    with pytest.raises(StepTimeError):
+        LinearStepTime(a=0.001, variation=((1.0, 0.5, 1.0),))
