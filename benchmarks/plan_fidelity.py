@@ -20,6 +20,13 @@ round trip and, on a small box, the client's own event loop, which no engine mod
 thousands of streamed tokens a second it is most of the client's TTFT). The recorded vLLM storm has
 no trace: its goal is checked on the histogram.
 
+Each workload's settings in force run twice. The second run is given to nothing: its row sets the
+same prediction against another measurement, and the two measured TTFT p99s show how far apart two
+runs of one setting land on this box. The ``TRACE`` column is the TTFT p99 error of the plan given
+the first run's request trace as well (``kvpilot plan --trace``): the clients draw the same arrivals
+and lengths in every run, so the trace holds the very requests each setting served, where the
+recording alone gives their distributions.
+
 Workloads:
 
 * ``storm``: the demo's (8 closed-loop streaming clients, 16-token prompts, 96 tokens each, a pool
@@ -77,6 +84,7 @@ from kvpilot.operator.api.spec import engine_snake_args
 from kvpilot.operator.demo.prepare import start_process, stop_process, wait_for_line
 from kvpilot.operator.plan.candidates import Candidate, calibrate_ttft, context_of, evaluate
 from kvpilot.operator.plan.recording import read_recording
+from kvpilot.operator.plan.trace import with_trace
 from kvpilot.operator.plan.workload import workload_from_scrapes
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -85,6 +93,7 @@ THRESHOLD = 1.0  # preemptions/s per replica that count as a storm (spec.remedia
 WINDOW_S = 10.0  # spec.remediation.window
 SERVED = "llm"
 GOALS = {"output_tokens_per_s": 0.15, "ttft_p99_s": 0.25}
+AGAIN = "in force, run again"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,11 +396,20 @@ def binned_quantile(values: tuple[float, ...], bounds: list[float], q: float) ->
 
 
 def predict(
-    doc: dict, recording: Path, candidates: list[Candidate], open_loop: bool, ttft_bounds: list[float]
+    doc: dict,
+    recording: Path,
+    candidates: list[Candidate],
+    open_loop: bool,
+    ttft_bounds: list[float],
+    trace: Path | None = None,
 ) -> tuple[list, dict]:
-    """The plan's simulation of each candidate on the workload of ``recording``; TTFT p99 also binned
-    into the engine's TTFT buckets (``ttft_bounds``)."""
-    workload = workload_from_scrapes(read_recording(recording, doc))
+    """The plan's simulation of each candidate on the workload of ``recording`` (with its requests
+    from ``trace`` when given, as ``kvpilot plan --trace``); TTFT p99 also binned into the engine's
+    TTFT buckets (``ttft_bounds``)."""
+    scrapes = read_recording(recording, doc)
+    workload = workload_from_scrapes(scrapes)
+    if trace is not None:
+        workload = with_trace(workload, scrapes, [str(trace)])
     step_time = workload.step_time()
     ctx, _ = calibrate_ttft(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
     out = []
@@ -442,7 +460,9 @@ def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: in
     fixed = sizing["weights_bytes"] + sizing["activation_bytes"]
     budget = round((fixed + (case.blocks_in_force + 0.5) * sizing["bytes_per_block"]) / 0.5)
     base = {**case.shape, "cpuMemoryBudgetBytes": budget, "gpuMemoryUtilization": 0.5}
-    settings = [Setting("in force"), *case.others]
+    # The settings in force run twice: the second run, given to nothing, shows how far one measured
+    # TTFT p99 lies from another of the same setting on this box.
+    settings = [Setting("in force"), *case.others, Setting(AGAIN)]
     runs = []
     for index, setting in enumerate(settings):
         engine = {**base, **setting.engine}
@@ -487,11 +507,19 @@ def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: in
         )
         for r in runs
     ]
-    predicted, about = predict(
-        doc, runs[0]["recording"], candidates, case.load.kind == "open", ttft_bounds_of(runs[0]["recording"])
+    open_loop = case.load.kind == "open"
+    bounds = ttft_bounds_of(runs[0]["recording"])
+    predicted, about = predict(doc, runs[0]["recording"], candidates, open_loop, bounds)
+    # The same with the first run's request trace (kvpilot plan --trace): the clients draw the same
+    # arrivals and lengths in every run, so the trace holds the very requests each setting served.
+    traced, _ = predict(
+        doc, runs[0]["recording"], candidates, open_loop, bounds, workdir / f"{case.name}-0.trace.jsonl"
     )
     rows = []
-    for r, pred in zip(runs, predicted, strict=True):
+    for r, pred, with_trace_ in zip(runs, predicted, traced, strict=True):
+        pred["ttft_p99_trace_s"] = with_trace_["ttft_p99_s"]
+        error = compare(pred, r["measured"])
+        error["ttft_p99_trace_s"] = rel(pred["ttft_p99_trace_s"], r["measured"]["ttft_p99_engine_s"])
         rows.append(
             {
                 "workload": case.name,
@@ -499,7 +527,7 @@ def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: in
                 "engine": r["engine"],
                 "measured": r["measured"],
                 "predicted": pred,
-                "error": compare(pred, r["measured"]),
+                "error": error,
                 "plan": about,
             }
         )
@@ -527,6 +555,7 @@ def vllm_case() -> list[dict]:
     ctx = context_of(resolve(doc), workload)
     predicted, about = predict(doc, FIXTURE, [ctx.current], False, ttft_bounds_of(FIXTURE))
     pred = predicted[0]
+    pred["ttft_p99_trace_s"] = math.nan  # no trace was recorded
     return [
         {
             "workload": "vllm",
@@ -554,7 +583,7 @@ def _ms(x: float) -> str:
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'WORKLOAD':8} {'SETTING':24} {'BLK m/p':>9} {'PREEMPT/S m/p':>14} {'ERR':>6} "
-        f"{'OUT TOK/S m/p':>15} {'ERR':>6} {'TTFT99 ENGINE':>15} {'ERR':>6} "
+        f"{'OUT TOK/S m/p':>15} {'ERR':>6} {'TTFT99 ENGINE':>15} {'ERR':>6} {'TRACE':>6} "
         f"{'TTFT99 HIST ms':>15} {'ERR':>6} "
         f"{'TTFT99 CLIENT':>15} {'ERR':>6} "
         f"{'STORM m/p':>9} OK"
@@ -570,6 +599,7 @@ def print_table(rows: list[dict]) -> None:
             f"{mm['output_tokens_per_s']:7.0f}/{p['output_tokens_per_s']:<7.0f} "
             f"{_pct(e['output_tokens_per_s']):>6} "
             f"{_ms(mm['ttft_p99_engine_s']):>7}/{_ms(p['ttft_p99_s']):<7} {_pct(e['ttft_p99_engine_s']):>6} "
+            f"{_pct(e.get('ttft_p99_trace_s', math.nan)):>6} "
             f"{_ms(mm['ttft_p99_hist_s']):>7}/{_ms(p['ttft_p99_hist_s']):<7} {_pct(e['ttft_p99_hist_s']):>6} "
             f"{_ms(mm['ttft_p99_s']):>7}/{_ms(p['ttft_p99_s']):<7} {_pct(e['ttft_p99_s']):>6} "
             f"{storm:>9} {'y' if e['storm_right'] else 'N'}"
@@ -614,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in CASES:
             if case.name in wanted:
                 seconds = duration * case.duration_factor
-                print(f"{case.name}: {len(case.others) + 1} settings x {seconds:g}s", flush=True)
+                print(f"{case.name}: {len(case.others) + 2} runs x {seconds:g}s", flush=True)
                 rows += run_case(case, model, workdir, seconds, args.seed)
     if "vllm" in wanted:
         rows += vllm_case()
@@ -626,12 +656,26 @@ def main(argv: list[str] | None = None) -> int:
     client = [r for r in rows if math.isfinite(r["error"]["ttft_p99_s"])]
     ttft_client = [abs(r["error"]["ttft_p99_s"]) <= GOALS["ttft_p99_s"] for r in client]
     storms = [r["error"]["storm_right"] for r in rows]
+    traced = [r for r in rows if math.isfinite(r["error"].get("ttft_p99_trace_s", math.nan))]
+    ttft_traced = [abs(r["error"]["ttft_p99_trace_s"]) <= GOALS["ttft_p99_s"] for r in traced]
     print(
         f"within goals: throughput +-15% {sum(tput)}/{len(rows)}, TTFT p99 +-25% {sum(ttft)}/{len(rows)} "
         f"(the engine's own TTFTs; read from its histogram {sum(hist)}/{len(rows)}, client-measured "
-        f"{sum(ttft_client)}/{len(client)}), storm call {sum(storms)}/{len(rows)}; "
-        f"{time.time() - started:.0f}s"
+        f"{sum(ttft_client)}/{len(client)}; planned with the trace {sum(ttft_traced)}/{len(traced)}), "
+        f"storm call {sum(storms)}/{len(rows)}; {time.time() - started:.0f}s"
     )
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        first, again = (
+            next((r for r in rows if r["workload"] == name and r["setting"] == label), None)
+            for label in ("in force", AGAIN)
+        )
+        if first is not None and again is not None:
+            a, b = first["measured"]["ttft_p99_engine_s"], again["measured"]["ttft_p99_engine_s"]
+            print(
+                f"{name}: the settings in force measured twice: TTFT p99 {a * 1e3:.1f} and {b * 1e3:.1f} ms "
+                f"({rel(b, a):+.0%}), output tok/s {first['measured']['output_tokens_per_s']:.0f} and "
+                f"{again['measured']['output_tokens_per_s']:.0f}"
+            )
     for row in rows:
         if row["setting"].startswith("in force"):
             print(f"{row['workload']}: {row['plan']['step_time']}; notes: {row['plan']['notes']}")
