@@ -165,7 +165,6 @@ class Workload:
 
     windows: tuple[ArrivalWindow, ...]
     pool: KVPool
-    step_windows: tuple[StepWindow, ...]
     duration_s: float
     num_pods: int
     num_preemptions: float = 0.0  # what the recorded pods counted, all together
@@ -183,9 +182,14 @@ class Workload:
     # exported, or no first token in it): what the engine measured from a request's arrival, which
     # includes time the simulated scheduler does not see (see candidates.calibrate_ttft).
     ttft_mean_s: float | None = None
-    # The step windows by pod interval: (start, end) in seconds from the recording's start, and the
-    # interval's windows (those of ``step_windows``).
+    # The engine steps by pod interval: (start, end) in seconds from the recording's start, and the
+    # interval's step windows (``step_windows_of``).
     step_intervals: tuple[tuple[float, float, tuple[StepWindow, ...]], ...] = ()
+
+    @property
+    def step_windows(self) -> tuple[StepWindow, ...]:
+        """Every interval's step windows, in time order (what the step time is fitted on)."""
+        return tuple(w for _, _, windows in self.step_intervals for w in windows)
 
     def step_time(self) -> LinearStepTime:
         """The step-time model fitted on the recorded steps, with their variation over time (see
@@ -370,14 +374,10 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
     if not windows:
         detail = f" (missing: {'; '.join(lacking)})" if lacking else ""
         raise RecordingError(f"no request finished in the recording: nothing to plan for{detail}")
-    step_intervals = tuple(
-        (i.start - start, i.start - start + i.seconds, tuple(step_windows_of(i))) for i in intervals
-    )
-    step_windows = tuple(w for _, _, windows in step_intervals for w in windows)
+    step_intervals = tuple((i.start - start, i.end - start, tuple(step_windows_of(i))) for i in intervals)
     return Workload(
         windows=tuple(windows),
         pool=pool,
-        step_windows=step_windows,
         duration_s=end - start,
         num_pods=len(by_pod),
         num_preemptions=sum(i.counters.get(m.NUM_PREEMPTIONS_TOTAL, 0.0) for i in intervals),
