@@ -56,11 +56,13 @@ import argparse
 import asyncio
 import dataclasses
 import gzip
+import itertools
 import json
 import math
 import random
 import re
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -457,27 +459,49 @@ def compare(pred: dict, meas: dict) -> dict:
     }
 
 
-def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: int) -> list[dict]:
+def median_of(runs: list[dict]) -> dict:
+    """One setting's measurement over repeated runs: the median of each figure (the storm call by
+    majority), the first run's pool, and every run's own figures under ``runs``."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, bool):
+            out[key] = 2 * sum(bool(r[key]) for r in runs) > len(runs)
+        elif isinstance(value, float):
+            values = [r[key] for r in runs if math.isfinite(r[key])]
+            out[key] = statistics.median(values) if values else math.nan
+    out["runs"] = runs
+    return out
+
+
+def run_case(
+    case: Case, model: Path, workdir: Path, duration_s: float, seed: int, repeat: int = 1
+) -> list[dict]:
     sizing = pool_sizing(model, case.shape, workdir)
     fixed = sizing["weights_bytes"] + sizing["activation_bytes"]
     budget = round((fixed + (case.blocks_in_force + 0.5) * sizing["bytes_per_block"]) / 0.5)
     base = {**case.shape, "cpuMemoryBudgetBytes": budget, "gpuMemoryUtilization": 0.5}
-    # The settings in force run twice: the second run, given to nothing, shows how far one measured
-    # TTFT p99 lies from another of the same setting on this box.
-    settings = [Setting("in force"), *case.others, Setting(AGAIN)]
+    settings = [Setting("in force"), *case.others]
+    if repeat == 1:
+        # Run once each, the settings in force run twice: the second run, given to nothing, shows how
+        # far one measured TTFT p99 lies from another of the same setting on this box.
+        settings.append(Setting(AGAIN))
+    measured_runs: list[list[dict]] = [[] for _ in settings]
     runs = []
-    for index, setting in enumerate(settings):
+    # Round by round through the settings, so that a slow stretch of the box falls on one run of
+    # several settings rather than on every run of one.
+    for rep, (index, setting) in itertools.product(range(repeat), enumerate(settings)):
         engine = {**base, **setting.engine}
         if setting.blocks is not None:
             engine["gpuMemoryUtilization"] = memory_settings(sizing, setting.blocks, budget)
-        trace = workdir / f"{case.name}-{index}.trace.jsonl"
-        proc, url = serve(model, engine, workdir / f"{case.name}-{index}.log", trace)
+        stem = f"{case.name}-{index}" + (f".{rep}" if rep else "")
+        trace = workdir / f"{stem}.trace.jsonl"
+        proc, url = serve(model, engine, workdir / f"{stem}.log", trace)
         record: list[dict] = []
         try:
             trips, _ = asyncio.run(drive(url, case.load, duration_s, seed, record, case.name))
         finally:
             stop_process(proc, signal.SIGTERM, 15)
-        path = workdir / f"{case.name}-{index}.jsonl"
+        path = workdir / f"{stem}.jsonl"
         path.write_text("".join(json.dumps(line) + "\n" for line in record))
         # Rates over the span of the requests, first sent to last answered: the plan's run from the
         # first arrival to the last step.
@@ -493,12 +517,18 @@ def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: in
         ]
         measured["ttft_p99_engine_s"] = quantile(engine_ttfts, 0.99)
         measured["num_requests"] = len(trips)
-        runs.append({"setting": setting.label, "engine": engine, "recording": path, "measured": measured})
+        measured_runs[index].append(measured)
+        if rep == 0:
+            runs.append({"setting": setting.label, "engine": engine, "recording": path})
         print(
-            f"  ran {case.name} / {setting.label}: {len(trips)} requests, "
-            f"{measured['num_gpu_blocks']} blocks",
+            f"  ran {case.name} / {setting.label}"
+            + (f" (round {rep + 1} of {repeat})" if repeat > 1 else "")
+            + f": {len(trips)} requests, {measured['num_gpu_blocks']} blocks, TTFT p99 "
+            f"{measured['ttft_p99_engine_s'] * 1e3:.1f} ms, {measured['output_tokens_per_s']:.0f} tok/s",
             flush=True,
         )
+    for r, measured in zip(runs, measured_runs, strict=True):
+        r["measured"] = measured[0] if repeat == 1 else median_of(measured)
     doc = isvc_of(case, base)
     candidates = [
         Candidate(
@@ -528,6 +558,8 @@ def run_case(case: Case, model: Path, workdir: Path, duration_s: float, seed: in
                 "measured": r["measured"],
                 "predicted": pred,
                 "error": compare(pred, r["measured"]),
+                # Against each run alone: how the goals fare on one measurement of the setting.
+                "error_runs": [compare(pred, one) for one in r["measured"].get("runs", [])],
                 "plan": about,
             }
         )
@@ -564,6 +596,7 @@ def vllm_case() -> list[dict]:
             "measured": measured,
             "predicted": pred,
             "error": compare(pred, measured),
+            "error_runs": [],
             "plan": about,
         }
     ]
@@ -606,6 +639,39 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def print_runs(rows: list[dict]) -> None:
+    """Every run of each repeated setting, and the goals checked on one run at a time: how far the
+    measurement itself moves between runs of one setting, beside the prediction's error."""
+    print()
+    print("each run: TTFT p99 ms (the engine's own) and output tok/s / the prediction (the runs' spread)")
+    single_tput = single_ttft = total = 0
+    for row in rows:
+        runs = row["measured"]["runs"]
+        ttfts = [r["ttft_p99_engine_s"] for r in runs]
+        tputs = [r["output_tokens_per_s"] for r in runs]
+        med_ttft, med_tput = row["measured"]["ttft_p99_engine_s"], row["measured"]["output_tokens_per_s"]
+        spread_ttft = max(abs(rel(x, med_ttft)) for x in ttfts)
+        spread_tput = max(abs(rel(x, med_tput)) for x in tputs)
+        print(
+            f"  {row['workload']:8} {row['setting'][:24]:24} TTFT p99 "
+            f"{' '.join(_ms1(x) for x in ttfts)} / {_ms1(row['predicted']['ttft_p99_s'])} "
+            f"(runs within {spread_ttft:.0%} of their median); tok/s {' '.join(f'{x:.0f}' for x in tputs)} / "
+            f"{row['predicted']['output_tokens_per_s']:.0f} (within {spread_tput:.0%})"
+        )
+        for error in row["error_runs"]:
+            total += 1
+            single_tput += abs(error["output_tokens_per_s"]) <= GOALS["output_tokens_per_s"]
+            single_ttft += abs(error["ttft_p99_engine_s"]) <= GOALS["ttft_p99_s"]
+    print(
+        f"against one run at a time: throughput +-15% {single_tput}/{total}, "
+        f"TTFT p99 +-25% {single_ttft}/{total}"
+    )
+
+
+def _ms1(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x * 1e3:.1f}"
+
+
 def goal_ttft_error(row: dict) -> float:
     """The TTFT p99 error the goal is checked on: against the engine's own per-request TTFTs where
     the run wrote them, else (a recording alone) against its histogram, both sides binned alike."""
@@ -622,6 +688,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_fidelity.json")
     parser.add_argument(
         "--keep", type=Path, help="keep every run's recording, request trace and log in this directory"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every setting this many times (round by round) and check the goals on the median of "
+        "the runs (default 1: once each, the settings in force twice)",
     )
     args = parser.parse_args(argv)
     from kvpilot.kernels import isa
@@ -644,8 +717,9 @@ def main(argv: list[str] | None = None) -> int:
         for case in CASES:
             if case.name in wanted:
                 seconds = duration * case.duration_factor
-                print(f"{case.name}: {len(case.others) + 2} runs x {seconds:g}s", flush=True)
-                rows += run_case(case, model, workdir, seconds, args.seed)
+                count = (len(case.others) + 1) * args.repeat + (args.repeat == 1)
+                print(f"{case.name}: {count} runs x {seconds:g}s", flush=True)
+                rows += run_case(case, model, workdir, seconds, args.seed, args.repeat)
     if "vllm" in wanted:
         rows += vllm_case()
     print()
@@ -676,12 +750,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"({rel(b, a):+.0%}), output tok/s {first['measured']['output_tokens_per_s']:.0f} and "
                 f"{again['measured']['output_tokens_per_s']:.0f}"
             )
+    repeated = [r for r in rows if r["error_runs"]]
+    if repeated:
+        print_runs(repeated)
     for row in rows:
         if row["setting"].startswith("in force"):
             print(f"{row['workload']}: {row['plan']['step_time']}; notes: {row['plan']['notes']}")
     report = {
         "isa": isa.describe(),
         "duration_s": duration,
+        "repeat": args.repeat,
         "threshold": {"preemption_rate": THRESHOLD, "window_s": WINDOW_S},
         "goals": GOALS,
         "rows": rows,
