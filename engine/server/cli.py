@@ -386,9 +386,14 @@ def request_limits_from(ns: argparse.Namespace) -> RequestLimits:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound (not yet listening) socket; uvicorn starts listening once the engine is ready."""
+    """A bound (not yet listening) socket; uvicorn starts listening once the engine is ready.
+
+    Made with its protocol named (``IPPROTO_TCP``, not 0): asyncio turns Nagle's algorithm off
+    (``TCP_NODELAY``) only on connections of a socket whose protocol says TCP. With it on, a response
+    written in more than one send over a kept-alive connection (a stream's first token after its
+    headers, a /metrics body of a few segments) waits for the client's delayed ACK: 40 ms on Linux."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock

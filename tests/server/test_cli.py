@@ -271,3 +271,40 @@ def test_chat_template_paths_must_exist(tmp_path):
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "missing.jinja" in errors[0] and "no such file" in errors[0]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_server_socket_turns_nagle_off_on_its_connections(host):
+    """asyncio sets TCP_NODELAY only on connections of a socket whose protocol says TCP. Without it a
+    response sent in two writes over a kept-alive connection (a stream's headers, then its first
+    token) waits for the client's delayed ACK."""
+    import asyncio
+
+    from kvpilot.engine.server.cli import bind_socket
+
+    try:
+        sock = bind_socket(host, 0)
+    except OSError as exc:  # no IPv6 on this host
+        pytest.skip(f"cannot bind {host}: {exc}")
+    assert sock.proto == socket.IPPROTO_TCP
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                conn = transport.get_extra_info("socket")
+                seen.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        port = sock.getsockname()[1]
+        _, writer = await asyncio.open_connection(host, port)
+        try:
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
