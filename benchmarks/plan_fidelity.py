@@ -22,10 +22,13 @@ no trace: its goal is checked on the histogram.
 
 Each workload's settings in force run twice. The second run is given to nothing: its row sets the
 same prediction against another measurement, and the two measured TTFT p99s show how far apart two
-runs of one setting land on this box. The ``TRACE`` column is the TTFT p99 error of the plan given
-the first run's request trace as well (``kvpilot plan --trace``): the clients draw the same arrivals
-and lengths in every run, so the trace holds the very requests each setting served, where the
-recording alone gives their distributions.
+runs of one setting land on this box. With ``--repeat N`` every setting runs N times instead, round
+by round (a slow stretch of the box falls on one run of several settings, not on every run of one);
+the goals are checked on the median of each setting's runs, and each run's figures are printed
+beside the prediction with the goals checked against one run at a time. The ``TRACE`` column is
+the TTFT p99 error of the plan given the first run's request trace as well (``kvpilot plan
+--trace``): the clients draw the same arrivals and lengths in every run, so the trace holds the very
+requests each setting served, where the recording alone gives their distributions.
 
 Workloads:
 
@@ -34,6 +37,8 @@ Workloads:
 * ``long``: open-loop arrivals (3/s) of 300-1500-token prompts with 8-24 output tokens
   (max_model_len 2048);
 * ``steady``: open-loop mixed lengths (3/s) on a pool large enough for them (no storm in force);
+* ``prefix``: open-loop (3/s) prompts of 300-800 tokens whose first 256 are the same in every request
+  (a system prompt), prefix caching on: the plan sees only the recorded hit rate;
 * ``vllm``: the recorded vLLM 0.32 storm (``tests/operator/fixtures/vllm-0.32-cpu-storm.jsonl.gz``):
   predicted vs recorded for the settings in force only (no other vLLM setting can be run here).
 
@@ -46,7 +51,8 @@ more requests; the plan replays the recorded arrival times (capped at the record
 where the recorded queue never emptied, every request as soon as the cap allows (closed-loop). Open-
 loop workloads are planned with ``open_loop``.
 
-    python benchmarks/plan_fidelity.py            # ~20 minutes on 2 cores; JSON to results/plan_fidelity.json
+    python benchmarks/plan_fidelity.py            # ~30 minutes on 2 cores; JSON to results/plan_fidelity.json
+    python benchmarks/plan_fidelity.py --repeat 3 # every setting three times, the goals on the medians
     python benchmarks/plan_fidelity.py --quick    # shorter runs
 """
 
@@ -85,7 +91,7 @@ from kvpilot.engine.config import to_cli_args
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import engine_snake_args
 from kvpilot.operator.demo.prepare import start_process, stop_process, wait_for_line
-from kvpilot.operator.plan.candidates import Candidate, calibrate_ttft, context_of, evaluate
+from kvpilot.operator.plan.candidates import Candidate, calibrate, context_of, evaluate
 from kvpilot.operator.plan.recording import read_recording
 from kvpilot.operator.plan.trace import with_trace
 from kvpilot.operator.plan.workload import workload_from_scrapes
@@ -102,13 +108,16 @@ AGAIN = "in force, run again"
 @dataclasses.dataclass(frozen=True)
 class Load:
     """The clients: ``closed`` (``concurrency`` streams back to back) or open-loop Poisson arrivals at
-    ``rate`` per second; lengths uniform in the given inclusive ranges."""
+    ``rate`` per second; lengths uniform in the given inclusive ranges, the first ``shared_prefix``
+    prompt tokens the same in every request."""
 
     kind: str
     prompt: tuple[int, int]
     output: tuple[int, int]
     concurrency: int = 0
     rate: float = 0.0
+    # Every prompt starts with the same this many tokens (a system prompt), within its drawn length.
+    shared_prefix: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +169,26 @@ CASES = (
         (Setting("less memory (36 blocks)", blocks=36), Setting("maxNumSeqs 2", engine={"maxNumSeqs": 2})),
         duration_factor=4.8,
     ),
+    Case(
+        "prefix",
+        {
+            "maxModelLen": 1024,
+            "maxNumBatchedTokens": 1024,
+            "maxNumSeqs": 16,
+            "blockSize": 16,
+            "enablePrefixCaching": True,
+        },
+        200,
+        Load("open", (300, 800), (16, 64), rate=3.0, shared_prefix=256),
+        (
+            Setting("maxNumBatchedTokens 128", engine={"maxNumBatchedTokens": 128}),
+            Setting("maxNumSeqs 2", engine={"maxNumSeqs": 2}),
+        ),
+        duration_factor=4.8,
+    ),
 )
+# The shared prefix's tokens (Load.shared_prefix), the same in every run.
+SHARED_TOKENS = [random.Random(7).randrange(5, 1000) for _ in range(4096)]
 
 
 # --- metrics ------------------------------------------------------------------------------------
@@ -287,9 +315,11 @@ async def drive(url: str, load: Load, duration_s: float, seed: int, record: list
     stop = asyncio.Event()
 
     async def one(session: aiohttp.ClientSession) -> None:
+        length = rng.randint(*load.prompt)
+        shared = SHARED_TOKENS[: min(load.shared_prefix, length - 1)]
         body = {
             "model": SERVED,
-            "prompt": [rng.randrange(5, 1000) for _ in range(rng.randint(*load.prompt))],
+            "prompt": shared + [rng.randrange(5, 1000) for _ in range(length - len(shared))],
             "max_tokens": rng.randint(*load.output),
             "ignore_eos": True,
             "temperature": 0,
@@ -414,7 +444,7 @@ def predict(
     if trace is not None:
         workload = with_trace(workload, scrapes, [str(trace)])
     step_time = workload.step_time()
-    ctx, _ = calibrate_ttft(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
+    ctx, _ = calibrate(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
     out = []
     for candidate in candidates:
         r = evaluate(candidate, ctx, workload, step_time)
@@ -683,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12 s runs instead of 25 s")
     parser.add_argument("--duration", type=float, help="seconds of load per run (overrides --quick)")
-    parser.add_argument("--workloads", default="storm,long,steady,vllm", help="comma-separated subset")
+    parser.add_argument("--workloads", default="storm,long,steady,prefix,vllm", help="comma-separated subset")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "plan_fidelity.json")
     parser.add_argument(

@@ -48,6 +48,9 @@ class SeqState:
     # The request's ``n`` and ``max_tokens`` (None: not set), for the finished-request metrics.
     params_n: int = 1
     params_max_tokens: int | None = None
+    # Prompt tokens the prefix cache held at the admission that gave it its first token (the hits of a
+    # recompute after a later preemption not counted).
+    num_cached_prompt_tokens: int = 0
 
     @property
     def is_finished(self) -> bool:
@@ -60,6 +63,7 @@ class SeqState:
             step.ttfts.append(now - m.arrival_time)
             step.num_prompt_tokens += self.num_prompt_tokens
             step.num_cached_prompt_tokens += out.num_cached_tokens
+            self.num_cached_prompt_tokens = out.num_cached_tokens
             m.first_token_time = now
         else:
             step.itls.append(now - m.last_token_time)
@@ -89,6 +93,7 @@ class SeqState:
                 num_preemptions=m.num_preemptions,
                 n=self.params_n,
                 max_tokens=self.params_max_tokens,
+                num_cached_tokens=self.num_cached_prompt_tokens,
             )
         )
 

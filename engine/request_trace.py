@@ -4,10 +4,12 @@ For capacity planning (``kvpilot plan --trace FILE``): what the metrics' histogr
 each request arrived, and how its prompt and output lengths paired up. A line::
 
     {"arrival": 1796425813.412, "prompt_tokens": 212, "output_tokens": 96, "finish_reason": "length",
-     "ttft_s": 0.081, "e2e_s": 1.93, "preemptions": 0}
+     "ttft_s": 0.081, "e2e_s": 1.93, "preemptions": 0, "cached_tokens": 64}
 
-``arrival`` is unix seconds (the engine's monotonic clock mapped once, at start); nothing of the
-prompt or the output is written. The file is appended to, line-buffered, and rotated to ``FILE.1``
+``arrival`` is unix seconds (the engine's monotonic clock mapped once, at start). ``cached_tokens``:
+the prompt tokens the prefix cache held at the admission that gave the request its first token (the
+plan gives the request a prefix of that length shared with the others). Nothing of the prompt or the
+output is written. The file is appended to, line-buffered, and rotated to ``FILE.1``
 past ``max_bytes`` so that it stays bounded.
 """
 
@@ -50,6 +52,7 @@ class RequestTraceLogger(StatLoggerBase):
                 else round(f.first_token_time - f.arrival_time, 5),
                 "e2e_s": round(f.finished_time - f.arrival_time, 5),
                 "preemptions": f.num_preemptions,
+                "cached_tokens": f.num_cached_tokens,
             }
             lines.append(json.dumps(entry, separators=(",", ":")) + "\n")
         text = "".join(lines)

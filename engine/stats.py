@@ -44,6 +44,7 @@ class FinishedRequestStats:
     num_preemptions: int
     n: int = 1  # the request's ``n`` (its number of sequences)
     max_tokens: int | None = None  # the request's ``max_tokens``; None when it set none
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when its first token came
 
 
 @dataclass

@@ -36,7 +36,7 @@ from kvpilot.operator.plan.candidates import (
     Candidate,
     CandidateResult,
     PlanContext,
-    calibrate_ttft,
+    calibrate,
     context_of,
     evaluate,
 )
@@ -183,7 +183,7 @@ def plan_storm(
             f"too little traffic since the last change: {workload.num_requests} requests "
             f"(plan.minRequests {plan.min_requests})",
         )
-    ctx, in_force = calibrate_ttft(context_of(settings, workload), workload, step_time, seed)
+    ctx, in_force = calibrate(context_of(settings, workload), workload, step_time, seed)
     if in_force.result is None:
         return PlanVerdict(None, f"the settings in force cannot be simulated: {in_force.error}")
     served = _served_tokens_per_s(scrapes)

@@ -22,7 +22,7 @@ from kvpilot.operator.plan.candidates import (
     Candidate,
     CandidateResult,
     PlanContext,
-    calibrate_ttft,
+    calibrate,
     candidate_grid,
     context_of,
     pick,
@@ -86,7 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         metavar="FILE",
         help="a request trace (`kvpilot serve --request-trace`, one per pod; repeat the flag): the "
-        "arrivals and length pairs as recorded instead of the histograms' distributions",
+        "arrivals, length pairs and prefix-cache hits as recorded instead of the histograms' "
+        "distributions",
     )
     plan.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     plan.set_defaults(func=run_plan_command)
@@ -225,7 +226,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     except (RecordingError, StepTimeError) as exc:
         print(f"error: {args.recording}: {exc}", file=sys.stderr)
         return 1
-    ctx, _ = calibrate_ttft(
+    ctx, _ = calibrate(
         context_of(settings, workload, open_loop=args.open_loop), workload, step_time, args.seed
     )
     candidates = candidate_grid(ctx, can_resize_pool=not workload.pool.explicit_size)

@@ -239,6 +239,14 @@ class SimResult:
     itl_s: tuple[float, ...]
     truncated: bool  # the run stopped at ``max_sim_s`` with requests still unfinished
     start_s: float = 0.0
+    # The block manager's prefix-cache counters, in prompt tokens (vllm:prefix_cache_queries_total /
+    # _hits_total): every admission's lookup, a recompute's included.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
 
     @property
     def preemptions_per_s(self) -> float:
@@ -310,6 +318,7 @@ class SimResult:
             "itl_p50_s": self.itl(0.5),
             "itl_p99_s": self.itl(0.99),
             "output_tokens_per_s": self.output_tokens_per_s,
+            "prefix_hit_rate": math.nan if self.prefix_hit_rate is None else self.prefix_hit_rate,
             "truncated": self.truncated,
         }
 
@@ -433,4 +442,6 @@ def simulate(
         itl_s=tuple(itl),
         truncated=truncated,
         start_s=start,
+        prefix_queries=bm.prefix_queries,
+        prefix_hits=bm.prefix_hits,
     )

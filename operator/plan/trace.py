@@ -14,8 +14,11 @@ from kvpilot.operator.plan.workload import Workload
 
 def read_trace(paths: Sequence[str], start: float, end: float) -> tuple[Arrival, ...]:
     """The requests of ``kvpilot serve --request-trace`` files (one per pod) that arrived between
-    ``start`` and ``end`` (unix seconds: the recording's span), as arrivals from ``start``. Raises
-    RecordingError (one line) for a file that cannot be read or holds no such request."""
+    ``start`` and ``end`` (unix seconds: the recording's span), as arrivals from ``start``. A request
+    whose prompt hit the prefix cache (``cached_tokens``) starts with a prefix of that length that
+    every such request shares (the first request of a prefix, which found nothing cached, holds it
+    only as its own). Raises RecordingError (one line) for a file that cannot be read or holds no
+    such request."""
     out = []
     for path in paths:
         try:
@@ -27,12 +30,22 @@ def read_trace(paths: Sequence[str], start: float, end: float) -> tuple[Arrival,
                         item = json.loads(line)
                         arrival = float(item["arrival"])
                         prompt, output = int(item["prompt_tokens"]), int(item["output_tokens"])
+                        cached = int(item.get("cached_tokens") or 0)
                     except (ValueError, KeyError, TypeError) as exc:
                         raise RecordingError(
                             f"{path}: line {number}: not a request trace line ({exc})"
                         ) from exc
                     if start <= arrival <= end and prompt >= 1:
-                        out.append(Arrival(arrival - start, prompt, max(1, output)))
+                        shared = max(0, min(cached, prompt - 1))
+                        out.append(
+                            Arrival(
+                                arrival - start,
+                                prompt,
+                                max(1, output),
+                                prefix_group=0 if shared else None,
+                                prefix_len=shared,
+                            )
+                        )
         except OSError as exc:
             raise RecordingError(f"cannot read the request trace {path}: {exc}") from exc
     if not out:

@@ -33,9 +33,15 @@ the KV pool they ran on (torch-free).
   that a faster candidate (a live relief lifted, a larger pool) is predicted under the load its
   clients would really make, not the load the slower settings in force admitted.
 
-What it does not know: prompt contents (no shared prefixes are modelled, so prefix-cache hits are
-not predicted), per-request pairing of prompt and output lengths (drawn independently), and how
-clients react to latency beyond that cap (arrivals replay at the recorded times).
+* **Prefix-cache hits.** ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``
+  (prompt tokens found over those looked up) where the pool caches prefixes (``prefix_hit_rate``).
+  The plan gives every drawn prompt a prefix shared with the others, of the length that makes the
+  settings in force hit as often in simulation as they did (``candidates.calibrate_prefix``).
+
+What it does not know: prompt contents (the hits are modelled as one prefix every prompt shares, so
+a pool that holds more gains no hits in simulation), per-request pairing of prompt and output lengths
+(drawn independently), and how clients react to latency beyond that cap (arrivals replay at the
+recorded times).
 """
 
 from __future__ import annotations
@@ -185,6 +191,9 @@ class Workload:
     # The engine steps by pod interval: (start, end) in seconds from the recording's start, and the
     # interval's step windows (``step_windows_of``).
     step_intervals: tuple[tuple[float, float, tuple[StepWindow, ...]], ...] = ()
+    # Prompt tokens the prefix cache found over those looked up, over the recording (None: the pool
+    # caches no prefixes, or the counters were not exported or saw no lookup).
+    prefix_hit_rate: float | None = None
 
     @property
     def step_windows(self) -> tuple[StepWindow, ...]:
@@ -385,7 +394,21 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         saturated=_saturated(scrapes),
         ttft_mean_s=_mean_of(intervals, m.TIME_TO_FIRST_TOKEN_SECONDS),
         step_intervals=step_intervals,
+        prefix_hit_rate=_prefix_hit_rate(intervals) if pool.enable_prefix_caching else None,
     )
+
+
+def _prefix_hit_rate(intervals: Sequence[Interval]) -> float | None:
+    """Prompt tokens found in the prefix cache over those looked up, over the intervals that count
+    both (None: no lookup)."""
+    queries = hits = 0.0
+    for interval in intervals:
+        q = interval.counters.get(m.PREFIX_CACHE_QUERIES_TOTAL)
+        h = interval.counters.get(m.PREFIX_CACHE_HITS_TOTAL)
+        if q is not None and h is not None:
+            queries += q
+            hits += h
+    return min(1.0, hits / queries) if queries > 0 else None
 
 
 def _mean_of(intervals: Sequence[Interval], name: str) -> float | None:

@@ -41,6 +41,8 @@ def _scrape(
     steps_per_s: int = 100,
     cache: bool = True,
     success: bool = True,
+    prefix_per_s: tuple[int, int] | None = None,
+    prefix_caching: bool = True,
 ) -> str:
     """The k-th scrape (one a second) of an engine that finishes ``finished_per_s`` requests a second
     (prompt 100, output 50 tokens), holds ``in_flight`` from the first second on (``waiting`` of them
@@ -64,10 +66,14 @@ def _scrape(
     ]
     if not success:
         lines = [line for line in lines if not line.startswith("vllm:request_success_total")]
+    if prefix_per_s is not None:  # prompt tokens looked up and found in the prefix cache, a second
+        lines.append(f'vllm:prefix_cache_queries_total{{model_name="m"}} {prefix_per_s[0] * k}')
+        lines.append(f'vllm:prefix_cache_hits_total{{model_name="m"}} {prefix_per_s[1] * k}')
     if cache:
         lines.append(
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",gpu_memory_utilization="0.5",'
-            'enable_prefix_caching="True",num_gpu_blocks_override="None",num_cpu_blocks="None"} 1.0'
+            f'enable_prefix_caching="{prefix_caching}",num_gpu_blocks_override="None",'
+            'num_cpu_blocks="None"} 1.0'
         )
     return "\n".join(lines) + "\n"
 
@@ -382,3 +388,117 @@ def test_ttft_overhead_is_calibrated_on_the_settings_in_force(tmp_path, recorded
         )
     else:
         assert ctx == plain and in_force.result.ttft_s == bare.ttft_s
+
+
+def _prefix_doc() -> dict:
+    return {
+        "apiVersion": "serving.kvpilot.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
+        "spec": {"model": {"source": "pvc://models/llm"}, "engine": {"maxModelLen": 512, "blockSize": 16}},
+    }
+
+
+def test_the_prefix_hit_rate_comes_from_the_cache_counters(tmp_path) -> None:
+    def rate(**kwargs) -> float | None:
+        bodies = [(1000.0 + k, "pod-a", _scrape(k, **kwargs)) for k in range(6)]
+        return workload_from_scrapes(read_recording(_write(tmp_path, bodies))).prefix_hit_rate
+
+    assert rate(prefix_per_s=(500, 200)) == pytest.approx(0.4)
+    # The deprecated spelling of vLLM's early V1 counts as the current one.
+    bodies = [
+        (
+            1000.0 + k,
+            "pod-a",
+            _scrape(k, prefix_per_s=(500, 200)).replace("vllm:prefix_cache", "vllm:gpu_prefix_cache"),
+        )
+        for k in range(6)
+    ]
+    assert workload_from_scrapes(read_recording(_write(tmp_path, bodies, "old.jsonl"))).prefix_hit_rate == (
+        pytest.approx(0.4)
+    )
+    assert rate() is None  # no counters
+    assert rate(prefix_per_s=(0, 0)) is None  # no lookup
+    assert rate(prefix_per_s=(500, 200), prefix_caching=False) is None  # a pool that caches no prefixes
+
+
+@pytest.mark.parametrize("recorded", [0.3, 0.6])
+def test_the_recorded_hit_rate_becomes_a_shared_prefix_the_settings_in_force_hit_as_often(
+    tmp_path, recorded
+) -> None:
+    """Prompts of 100 tokens, 16-token blocks: a cache holding a shared prefix of L tokens finds
+    L // 16 * 16 of each prompt but the first. The prefix is the whole blocks that come closest to the
+    recorded rate in simulation of the settings in force, every candidate runs with it, and a
+    recording without hits leaves the prompts apart."""
+    from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.plan.candidates import calibrate_prefix, context_of, evaluate
+
+    per_s = (1000, round(1000 * recorded))
+    bodies = [(1000.0 + k, "pod-a", _scrape(k, prefix_per_s=per_s)) for k in range(11)]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    step_time = fit_step_time(workload.step_windows)
+    plain = context_of(resolve(_prefix_doc()), workload)
+    bare = evaluate(plain.current, plain, workload, step_time).result
+    assert bare.prefix_hit_rate == 0.0  # drawn prompts share nothing
+    ctx, in_force = calibrate_prefix(plain, workload, step_time)
+    # The whole blocks that reach the rate: 32 tokens (0.32 of each prompt) for 0.3, 64 for 0.6.
+    assert ctx.shared_prefix_len == {0.3: 32, 0.6: 64}[recorded]
+    # Every prompt but the first (the cache starts cold) finds the whole shared prefix.
+    n = in_force.result.num_arrivals
+    assert in_force.result.prefix_hit_rate == pytest.approx(ctx.shared_prefix_len * (n - 1) / (100 * n))
+    assert any(f"hit rate {recorded:.0%}" in note for note in ctx.notes)
+    # Another candidate runs on the same prompts: fewer prefill tokens than without the prefix.
+    other = dataclasses.replace(ctx.current, max_num_seqs=1)
+    with_prefix = evaluate(other, ctx, workload, step_time).result
+    without = evaluate(other, plain, workload, step_time).result
+    assert with_prefix.prefix_hit_rate > recorded - 0.05 and without.prefix_hit_rate == 0.0
+    assert with_prefix.num_output_tokens == without.num_output_tokens
+
+    none_bodies = [(1000.0 + k, "pod-a", _scrape(k, prefix_per_s=(1000, 0))) for k in range(11)]
+    none = workload_from_scrapes(read_recording(_write(tmp_path, none_bodies, "none.jsonl")))
+    assert calibrate_prefix(context_of(resolve(_prefix_doc()), none), none, step_time) == (
+        context_of(resolve(_prefix_doc()), none),
+        None,
+    )
+
+
+def test_hits_a_recompute_explains_add_no_shared_prefix(tmp_path) -> None:
+    """A pool of 16 blocks admits two prompts of 100 tokens but not their 50 output tokens each,
+    so it preempts, and a recomputed request finds its own blocks again: the simulated settings in
+    force hit the cache with no prefix shared. A recording whose hit rate is just that gets no shared
+    prefix; one with more gets one."""
+    from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.plan.candidates import calibrate_prefix, context_of, evaluate
+
+    def workload_with(hits_per_1000: int):
+        bodies = [
+            (
+                1000.0 + k,
+                "pod-a",
+                _scrape(k, prefix_per_s=(1000, hits_per_1000)).replace(
+                    'num_gpu_blocks="1000"', 'num_gpu_blocks="16"'
+                ),
+            )
+            for k in range(11)
+        ]
+        return workload_from_scrapes(read_recording(_write(tmp_path, bodies, f"rec{hits_per_1000}.jsonl")))
+
+    probe = workload_with(1)
+    step_time = fit_step_time(probe.step_windows)
+    ctx = context_of(resolve(_prefix_doc()), probe)
+    baseline = evaluate(ctx.current, ctx, probe, step_time).result
+    assert baseline.num_preemptions > 0 and baseline.prefix_hit_rate > 0.05
+    own = round(1000 * baseline.prefix_hit_rate)
+
+    explained = workload_with(own)
+    calibrated, in_force = calibrate_prefix(
+        context_of(resolve(_prefix_doc()), explained), explained, step_time
+    )
+    assert calibrated.shared_prefix_len == 0 and in_force.result.prefix_hit_rate == baseline.prefix_hit_rate
+
+    more = workload_with(min(900, own + 300))
+    calibrated, in_force = calibrate_prefix(context_of(resolve(_prefix_doc()), more), more, step_time)
+    assert calibrated.shared_prefix_len > 0
+    assert abs(in_force.result.prefix_hit_rate - more.prefix_hit_rate) < abs(
+        baseline.prefix_hit_rate - more.prefix_hit_rate
+    )

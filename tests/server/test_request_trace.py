@@ -69,3 +69,49 @@ def test_the_trace_rotates_past_its_bound(tmp_path):
     assert path.stat().st_size <= 400 and (tmp_path / "t.jsonl.1").stat().st_size <= 400
     total = len(path.read_text().splitlines()) + len((tmp_path / "t.jsonl.1").read_text().splitlines())
     assert 2 <= total <= 10 and total % 2 == 0  # whole batches of lines; older rotations dropped
+
+
+def test_a_prompt_the_prefix_cache_held_is_traced_with_its_cached_tokens(traced):
+    """The same 40-odd-token prompt twice: the second finds the first's whole blocks in the prefix
+    cache, and the plan reads them back as a shared prefix of that length."""
+    server, trace = traced
+    prompt = " ".join(f"w{i}" for i in range(40))
+    before = time.time()
+    for _ in range(2):
+        server.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 10
+    lines: list[dict] = []
+    while len(lines) < 2 and time.monotonic() < deadline:
+        lines = [
+            line for line in map(json.loads, trace.read_text().splitlines()) if line["arrival"] >= before - 1
+        ]
+        time.sleep(0.05)
+    first, second = lines[-2:]
+    assert first["prompt_tokens"] == second["prompt_tokens"] > 32
+    assert first["cached_tokens"] == 0
+    # Whole 16-token blocks, never the last prompt token (it is computed to sample the first token).
+    assert second["cached_tokens"] == (second["prompt_tokens"] - 1) // 16 * 16
+    arrivals = read_trace([str(trace)], before - 1, time.time())
+    assert (arrivals[-2].prefix_group, arrivals[-2].prefix_len) == (None, 0)
+    assert (arrivals[-1].prefix_group, arrivals[-1].prefix_len) == (0, second["cached_tokens"])
+
+
+def test_cached_tokens_become_a_shared_prefix_and_older_traces_read_as_before(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"arrival": 100.0, "prompt_tokens": 50, "output_tokens": 4},  # an older trace: no cached_tokens
+        {"arrival": 101.0, "prompt_tokens": 50, "output_tokens": 4, "cached_tokens": 0},
+        {"arrival": 102.0, "prompt_tokens": 50, "output_tokens": 4, "cached_tokens": 48},
+        {"arrival": 103.0, "prompt_tokens": 20, "output_tokens": 4, "cached_tokens": 64},  # capped below it
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    arrivals = read_trace([str(path)], 100.0, 103.0)
+    assert [(a.time, a.prefix_group, a.prefix_len) for a in arrivals] == [
+        (0.0, None, 0),
+        (1.0, None, 0),
+        (2.0, 0, 48),
+        (3.0, 0, 19),
+    ]
+    path.write_text(json.dumps({**rows[2], "cached_tokens": "many"}) + "\n")
+    with pytest.raises(RecordingError, match="line 1: not a request trace line"):
+        read_trace([str(path)], 100.0, 103.0)
