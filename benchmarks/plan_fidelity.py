@@ -91,7 +91,8 @@ from kvpilot.engine.config import to_cli_args
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import engine_snake_args
 from kvpilot.operator.demo.prepare import start_process, stop_process, wait_for_line
-from kvpilot.operator.plan.candidates import Candidate, calibrate, context_of, evaluate
+from kvpilot.operator.plan.calibrate import calibrate
+from kvpilot.operator.plan.candidates import Candidate, context_of, evaluate
 from kvpilot.operator.plan.recording import read_recording
 from kvpilot.operator.plan.trace import with_trace
 from kvpilot.operator.plan.workload import workload_from_scrapes

@@ -32,11 +32,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvpilot.engine import metrics_names as m
 from kvpilot.operator.api.settings import Settings
+from kvpilot.operator.plan.calibrate import calibrate
 from kvpilot.operator.plan.candidates import (
     Candidate,
     CandidateResult,
     PlanContext,
-    calibrate,
     context_of,
     evaluate,
 )

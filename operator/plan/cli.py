@@ -18,11 +18,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from kvpilot.operator.plan.calibrate import calibrate
 from kvpilot.operator.plan.candidates import (
     Candidate,
     CandidateResult,
     PlanContext,
-    calibrate,
     candidate_grid,
     context_of,
     pick,

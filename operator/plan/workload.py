@@ -36,7 +36,7 @@ the KV pool they ran on (torch-free).
 * **Prefix-cache hits.** ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``
   (prompt tokens found over those looked up) where the pool caches prefixes (``prefix_hit_rate``).
   The plan gives every drawn prompt a prefix shared with the others, of the length that makes the
-  settings in force hit as often in simulation as they did (``candidates.calibrate_prefix``).
+  settings in force hit as often in simulation as they did (``calibrate.calibrate_prefix``).
 
 What it does not know: prompt contents (the hits are modelled as one prefix every prompt shares, so
 a pool that holds more gains no hits in simulation), per-request pairing of prompt and output lengths
@@ -186,7 +186,7 @@ class Workload:
     trace: tuple[Arrival, ...] | None = None
     # The mean of the recorded vllm:time_to_first_token_seconds over the recording (None: not
     # exported, or no first token in it): what the engine measured from a request's arrival, which
-    # includes time the simulated scheduler does not see (see candidates.calibrate_ttft).
+    # includes time the simulated scheduler does not see (see calibrate.calibrate_ttft).
     ttft_mean_s: float | None = None
     # The engine steps by pod interval: (start, end) in seconds from the recording's start, and the
     # interval's step windows (``step_windows_of``).
@@ -401,13 +401,9 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
 def _prefix_hit_rate(intervals: Sequence[Interval]) -> float | None:
     """Prompt tokens found in the prefix cache over those looked up, over the intervals that count
     both (None: no lookup)."""
-    queries = hits = 0.0
-    for interval in intervals:
-        q = interval.counters.get(m.PREFIX_CACHE_QUERIES_TOTAL)
-        h = interval.counters.get(m.PREFIX_CACHE_HITS_TOTAL)
-        if q is not None and h is not None:
-            queries += q
-            hits += h
+    both = (m.PREFIX_CACHE_QUERIES_TOTAL, m.PREFIX_CACHE_HITS_TOTAL)
+    counted = [[i.counters[n] for n in both] for i in intervals if all(n in i.counters for n in both)]
+    queries, hits = (sum(c[k] for c in counted) for k in (0, 1))
     return min(1.0, hits / queries) if queries > 0 else None
 
 

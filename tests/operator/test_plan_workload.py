@@ -355,7 +355,8 @@ def test_ttft_overhead_is_calibrated_on_the_settings_in_force(tmp_path, recorded
     """The recorded mean TTFT above the simulated one: the difference is added to every simulated
     TTFT, so the settings in force come out at the recorded mean; below it, nothing is taken off."""
     from kvpilot.operator.api.settings import resolve
-    from kvpilot.operator.plan.candidates import calibrate_ttft, context_of, evaluate
+    from kvpilot.operator.plan.calibrate import calibrate_ttft
+    from kvpilot.operator.plan.candidates import context_of, evaluate
 
     bodies = []
     for k in range(11):
@@ -431,7 +432,8 @@ def test_the_recorded_hit_rate_becomes_a_shared_prefix_the_settings_in_force_hit
     recorded rate in simulation of the settings in force, every candidate runs with it, and a
     recording without hits leaves the prompts apart."""
     from kvpilot.operator.api.settings import resolve
-    from kvpilot.operator.plan.candidates import calibrate_prefix, context_of, evaluate
+    from kvpilot.operator.plan.calibrate import calibrate_prefix
+    from kvpilot.operator.plan.candidates import context_of, evaluate
 
     per_s = (1000, round(1000 * recorded))
     bodies = [(1000.0 + k, "pod-a", _scrape(k, prefix_per_s=per_s)) for k in range(11)]
@@ -468,7 +470,8 @@ def test_hits_a_recompute_explains_add_no_shared_prefix(tmp_path) -> None:
     force hit the cache with no prefix shared. A recording whose hit rate is just that gets no shared
     prefix; one with more gets one."""
     from kvpilot.operator.api.settings import resolve
-    from kvpilot.operator.plan.candidates import calibrate_prefix, context_of, evaluate
+    from kvpilot.operator.plan.calibrate import calibrate_prefix
+    from kvpilot.operator.plan.candidates import context_of, evaluate
 
     def workload_with(hits_per_1000: int):
         bodies = [
