@@ -49,12 +49,16 @@ two queueing events decide it and the same requests measured 27-39 ms in four ru
 
 Closed-loop clients send their next request when the previous one ends, so a faster setting gets
 more requests; the plan replays the recorded arrival times (capped at the recorded concurrency), or,
-where the recorded queue never emptied, every request as soon as the cap allows (closed-loop). Open-
+where the recorded queue never emptied, every request as soon as the cap allows and the clients have
+turned round (closed-loop). Open-
 loop workloads are planned with ``open_loop``.
 
     python benchmarks/plan_fidelity.py            # ~30 minutes on 2 cores; JSON to results/plan_fidelity.json
     python benchmarks/plan_fidelity.py --repeat 3 # every setting three times, the goals on the medians
     python benchmarks/plan_fidelity.py --quick    # shorter runs
+    python benchmarks/plan_fidelity.py --keep runs --out first.json            # keep the recordings
+    python benchmarks/plan_fidelity.py --keep runs --replan first.json --out again.json
+                                                  # no engine run: plan the kept runs again
 """
 
 from __future__ import annotations
@@ -561,7 +565,14 @@ def run_case(
         )
     for r, measured in zip(runs, measured_runs, strict=True):
         r["measured"] = measured[0] if repeat == 1 else median_of(measured)
-    doc = isvc_of(case, base)
+    return planned_rows(case, runs, workdir)
+
+
+def planned_rows(case: Case, runs: list[dict], workdir: Path) -> list[dict]:
+    """The plan's predictions for ``runs`` (each a setting's label, engine, first recording and
+    measured figures; the settings in force first) from the settings in force's first recording, with
+    and without its request trace, set beside what the runs measured."""
+    doc = isvc_of(case, runs[0]["engine"])
     candidates = [
         Candidate(
             float(r["engine"]["gpuMemoryUtilization"]),
@@ -711,6 +722,28 @@ def goal_ttft_error(row: dict) -> float:
     return error if math.isfinite(error) else row["error"]["ttft_p99_hist_s"]
 
 
+def replanned_rows(case: Case, report: dict, workdir: Path) -> list[dict]:
+    """The rows of ``case`` in an earlier ``report``, planned again with the plan's code as it is now
+    from the recordings and traces that run kept in ``workdir`` (``--keep``): what the engines measured
+    is read back, not run again."""
+    runs = [
+        {
+            "setting": row["setting"],
+            "engine": row["engine"],
+            "recording": workdir / f"{case.name}-{index}.jsonl",
+            "measured": row["measured"],
+        }
+        for index, row in enumerate(r for r in report["rows"] if r["workload"] == case.name)
+    ]
+    if not runs:
+        return []
+    missing = [str(r["recording"]) for r in runs if not r["recording"].is_file()]
+    if missing or not (workdir / f"{case.name}-0.trace.jsonl").is_file():
+        raise SystemExit(f"--replan: {case.name}: the kept recordings or trace are missing in {workdir}")
+    print(f"{case.name}: planned again from {runs[0]['recording']}", flush=True)
+    return planned_rows(case, runs, workdir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12 s runs instead of 25 s")
@@ -728,7 +761,16 @@ def main(argv: list[str] | None = None) -> int:
         help="run every setting this many times (round by round) and check the goals on the median of "
         "the runs (default 1: once each, the settings in force twice)",
     )
+    parser.add_argument(
+        "--replan",
+        type=Path,
+        metavar="REPORT",
+        help="run no engine: plan again the runs of an earlier report (its --out) from the recordings "
+        "and traces it kept in --keep, with the plan's code as it is now",
+    )
     args = parser.parse_args(argv)
+    if args.replan is not None and args.keep is None:
+        parser.error("--replan needs --keep: the directory the earlier run kept its recordings in")
     from kvpilot.kernels import isa
 
     print(isa.summary_line(), flush=True)
@@ -736,18 +778,23 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.workloads.split(",")
     rows: list[dict] = []
     started = time.time()
+    earlier = None
     with tempfile.TemporaryDirectory(prefix="plan-fidelity-") as tmp:
         workdir = Path(tmp)
         if args.keep is not None:
             args.keep.mkdir(parents=True, exist_ok=True)
             workdir = args.keep
         model = workdir / "model"
-        if any(c.name in wanted for c in CASES):
+        if args.replan is None and any(c.name in wanted for c in CASES):
             from kvpilot.engine.models.synthetic import build_checkpoint
 
             build_checkpoint(model, size="test", dtype="float32", max_position_embeddings=2048)
+        if args.replan is not None:
+            earlier = json.loads(args.replan.read_text())
         for case in CASES:
-            if case.name in wanted:
+            if case.name in wanted and earlier is not None:
+                rows += replanned_rows(case, earlier, workdir)
+            elif case.name in wanted:
                 seconds = duration * case.duration_factor
                 count = (len(case.others) + 1) * args.repeat + (args.repeat == 1)
                 print(f"{case.name}: {count} runs x {seconds:g}s", flush=True)
@@ -789,9 +836,11 @@ def main(argv: list[str] | None = None) -> int:
         if row["setting"].startswith("in force"):
             print(f"{row['workload']}: {row['plan']['step_time']}; notes: {row['plan']['notes']}")
     report = {
-        "isa": isa.describe(),
-        "duration_s": duration,
-        "repeat": args.repeat,
+        # The runs' machine and load (those of the earlier report for --replan: its engines measured).
+        "isa": earlier["isa"] if earlier is not None else isa.describe(),
+        "duration_s": earlier["duration_s"] if earlier is not None else duration,
+        "repeat": earlier["repeat"] if earlier is not None else args.repeat,
+        **({"replanned_from": str(args.replan)} if earlier is not None else {}),
         "threshold": {"preemption_rate": THRESHOLD, "window_s": WINDOW_S},
         "goals": GOALS,
         "rows": rows,

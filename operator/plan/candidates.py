@@ -111,6 +111,9 @@ class PlanContext:
     # The recorded queue never emptied (workload.saturated): requests are replayed closed-loop, each
     # sent as soon as the client-concurrency cap allows, instead of at their recorded times.
     closed_loop: bool = False
+    # With closed_loop: a client's time from a request's end to its next request reaching the engine
+    # (workload.client_turnaround_s).
+    client_turnaround_s: float = 0.0
     # spec.remediation.slo.ttftP99Seconds: a candidate predicted above it is not picked (None: no SLO).
     ttft_slo_s: float | None = None
     # Added to every simulated TTFT: the part of the engine's measured TTFT the scheduler's clock does
@@ -155,6 +158,7 @@ def context_of(settings: Settings, workload: Workload, open_loop: bool = False) 
             "(set spec.engine.maxNumBatchedTokens where the runtime's default differs)"
         )
     rem = settings.remediation
+    closed_loop = not open_loop and workload.peak_in_flight is not None and workload.saturated
     return PlanContext(
         current=Candidate(fraction, int(value("maxNumSeqs")), int(batched), int(effective.replicas)),
         block_size=pool.block_size,
@@ -169,7 +173,8 @@ def context_of(settings: Settings, workload: Workload, open_loop: bool = False) 
         limits=rem.limits,
         notes=tuple(notes),
         client_concurrency=None if open_loop else workload.peak_in_flight,
-        closed_loop=not open_loop and workload.peak_in_flight is not None and workload.saturated,
+        closed_loop=closed_loop,
+        client_turnaround_s=workload.client_turnaround_s if closed_loop else 0.0,
         ttft_slo_s=rem.ttft_p99_slo_s,
     )
 
@@ -293,7 +298,12 @@ def evaluate(
             # soon as another finishes (the clients of a queue that never emptied).
             arrivals = [dataclasses.replace(a, time=arrivals[0].time) for a in arrivals]
         return simulate(
-            settings, arrivals, step_time, max_sim_s=2 * max(workload.duration_s, 1.0), max_in_flight=cap
+            settings,
+            arrivals,
+            step_time,
+            max_sim_s=2 * max(workload.duration_s, 1.0),
+            max_in_flight=cap,
+            client_turnaround_s=ctx.client_turnaround_s,
         )
 
     try:

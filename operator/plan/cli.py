@@ -196,6 +196,7 @@ def plan_document(
             "threshold": {"preemption_rate": ctx.preemption_rate, "window_s": ctx.window_s},
             "client_concurrency": ctx.client_concurrency,
             "closed_loop": ctx.closed_loop,
+            "client_turnaround_s": ctx.client_turnaround_s,
             "ttft_p99_slo_s": ctx.ttft_slo_s,
             "ttft_overhead_s": ctx.ttft_overhead_s,
             "notes": list(ctx.notes),
@@ -245,7 +246,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     print(f"step time: {step_time.describe()}")
     if ctx.client_concurrency is not None:
         replay = (
-            "; the engine paced them: replayed closed-loop, each request sent as one finishes"
+            "; the engine paced them: replayed closed-loop, each request sent "
+            f"{ctx.client_turnaround_s * 1e3:.1f} ms after one finishes (the clients' turnaround)"
             if ctx.closed_loop
             else ""
         )

@@ -28,6 +28,7 @@ next arrival.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -336,6 +337,14 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _sent_at(arrival: Arrival, clients_free_at: list[float] | None) -> float:
+    """When ``arrival`` reaches the engine: its time, or when a client is next free (never while every
+    client has a request in the engine)."""
+    if clients_free_at is None:
+        return arrival.time
+    return max(arrival.time, clients_free_at[0]) if clients_free_at else math.inf
+
+
 def simulate(
     settings: EngineSettings,
     arrivals: Iterable[Arrival],
@@ -344,6 +353,7 @@ def simulate(
     max_sim_s: float | None = None,
     on_step: Callable[[StepTrace], None] | None = None,
     max_in_flight: int | None = None,
+    client_turnaround_s: float = 0.0,
 ) -> SimResult:
     """Run ``arrivals`` (sorted by time here) through one simulated engine replica.
 
@@ -352,10 +362,19 @@ def simulate(
     ``schedule()`` call that scheduled or preempted something. ``max_in_flight``: the clients' own
     concurrency -- an arrival that finds that many requests in the engine is held back (client-side)
     until one finishes, and its latencies count from when it is sent (None: open loop, every
-    arrival is sent at its time).
+    arrival is sent at its time). ``client_turnaround_s`` (with ``max_in_flight``): how long a client
+    takes from a request's last token to its next request reaching the engine (reading the answer,
+    the round trip, the server's parsing and tokenizing): a held-back arrival is sent no earlier than
+    that after the request whose place it takes finished, so it lands inside the step then running and
+    waits for it, as a real client's does.
     Raises SimulationError for an arrival the engine would refuse or a step time that is not positive.
     """
     ordered = sorted(arrivals, key=lambda a: a.time)
+    if not client_turnaround_s >= 0.0:
+        raise SimulationError(f"client_turnaround_s must be >= 0, got {client_turnaround_s!r}")
+    # When each client can send again (max_in_flight of them; a min-heap): at once at first, then a
+    # turnaround after its request finished.
+    clients_free_at = [-math.inf] * max_in_flight if max_in_flight is not None else None
     # The attention totals of each step, only for a model that prices them (one pass per step).
     shaped = getattr(step_time, "uses_attention_shape", True)
     factor_at = getattr(step_time, "factor_at", None)
@@ -376,15 +395,16 @@ def simulate(
         if max_sim_s is not None and now - start >= max_sim_s:
             truncated = engine.has_unfinished or index < len(ordered)
             break
-        if not engine.has_unfinished and ordered[index].time > now:
-            now = ordered[index].time  # idle: jump to the next arrival
-        while index < len(ordered) and ordered[index].time <= now:
-            if max_in_flight is not None and len(sched.requests) >= max_in_flight:
-                break  # the clients hold it until a request of theirs finishes, then send it
+        if not engine.has_unfinished:
+            now = max(now, _sent_at(ordered[index], clients_free_at))  # idle: jump to the next arrival
+        # A held-back arrival is sent when a client is free (its request finished and turned round).
+        while index < len(ordered) and (sent := _sent_at(ordered[index], clients_free_at)) <= now:
+            if clients_free_at is not None:
+                heapq.heappop(clients_free_at)
             arrival = ordered[index]
             req_id = f"r{index}"
             engine.add_request(req_id, prompt_tokens(index, arrival), arrival.output_len)
-            arrived_at[req_id] = max(arrival.time, now) if max_in_flight is not None else arrival.time
+            arrived_at[req_id] = sent
             index += 1
         out, sampled = engine.step()
         if on_step is not None and (out.scheduled or out.preempted_req_ids):
@@ -419,6 +439,8 @@ def simulate(
             if req_id not in sched.requests:  # finished by this step
                 num_finished += 1
                 del last_token_at[req_id], arrived_at[req_id]
+                if clients_free_at is not None:
+                    heapq.heappush(clients_free_at, now + client_turnaround_s)
         num_output_tokens += len(sampled)
         samples.append(
             Sample(

@@ -31,7 +31,10 @@ the KV pool they ran on (torch-free).
   the next request as soon as one finishes. The plan then
   replays the requests closed-loop at the peak concurrency, each sent as soon as the cap allows, so
   that a faster candidate (a live relief lifted, a larger pool) is predicted under the load its
-  clients would really make, not the load the slower settings in force admitted.
+  clients would really make, not the load the slower settings in force admitted. Each replayed
+  request is sent the clients' turnaround after the one it follows ends (``client_turnaround_s``:
+  reading the answer, the round trip, the server's parsing), so that it lands inside the step then
+  running and waits for it as a real client's does; Little's law gives it from the recording.
 
 * **Prefix-cache hits.** ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``
   (prompt tokens found over those looked up) where the pool caches prefixes (``prefix_hit_rate``).
@@ -194,6 +197,10 @@ class Workload:
     # Prompt tokens the prefix cache found over those looked up, over the recording (None: the pool
     # caches no prefixes, or the counters were not exported or saw no lookup).
     prefix_hit_rate: float | None = None
+    # How long a closed-loop client takes between a request's end and its next request reaching the
+    # engine (``_client_turnaround``); 0 where the recording cannot tell (not saturated: the arrivals
+    # are the clients' own, and no request's end paces the next).
+    client_turnaround_s: float = 0.0
 
     @property
     def step_windows(self) -> tuple[StepWindow, ...]:
@@ -384,6 +391,7 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         detail = f" (missing: {'; '.join(lacking)})" if lacking else ""
         raise RecordingError(f"no request finished in the recording: nothing to plan for{detail}")
     step_intervals = tuple((i.start - start, i.end - start, tuple(step_windows_of(i))) for i in intervals)
+    saturated = _saturated(scrapes)
     return Workload(
         windows=tuple(windows),
         pool=pool,
@@ -391,10 +399,11 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         num_pods=len(by_pod),
         num_preemptions=sum(i.counters.get(m.NUM_PREEMPTIONS_TOTAL, 0.0) for i in intervals),
         peak_in_flight=_peak_in_flight(scrapes),
-        saturated=_saturated(scrapes),
+        saturated=saturated,
         ttft_mean_s=_mean_of(intervals, m.TIME_TO_FIRST_TOKEN_SECONDS),
         step_intervals=step_intervals,
         prefix_hit_rate=_prefix_hit_rate(intervals) if pool.enable_prefix_caching else None,
+        client_turnaround_s=_client_turnaround(intervals) if saturated else 0.0,
     )
 
 
@@ -416,6 +425,37 @@ def _mean_of(intervals: Sequence[Interval], name: str) -> float | None:
             count += h.count
             total += h.sum
     return total / count if count > 0 else None
+
+
+def _client_turnaround(intervals: Sequence[Interval]) -> float:
+    """The mean time a closed-loop client spends between one request's end and its next one reaching
+    the engine, from the stretches where a pod held nearly its peak number of requests at both ends
+    of an interval: its clients (the peak) each cycle through a request's latency and a turnaround,
+    so ``peak * seconds / finished`` (a cycle) less the mean ``vllm:e2e_request_latency_seconds`` of
+    those requests is the turnaround (Little's law). 0 without such stretches or latencies, and
+    never negative (a pod whose peak was briefly exceeded by backlog reads as turning round at once)."""
+    peaks: dict[str, float] = {}
+    for interval in intervals:
+        for scrape in (interval.before, interval.after):
+            if scrape.in_flight is not None:
+                peaks[interval.pod] = max(peaks.get(interval.pod, 0.0), scrape.in_flight)
+    client_seconds = finished = latency_sum = latency_count = 0.0
+    for interval in intervals:
+        peak = peaks.get(interval.pod, 0.0)
+        ends = (interval.before.in_flight, interval.after.in_flight)
+        e2e = interval.histograms.get(m.E2E_REQUEST_LATENCY_SECONDS)
+        done = interval.counters.get(m.REQUEST_SUCCESS_TOTAL, 0.0)
+        if peak < 1 or e2e is None or e2e.count <= 0 or done <= 0:
+            continue
+        if any(n is None or n < math.ceil(NEAR_PEAK * peak) for n in ends):
+            continue
+        client_seconds += peak * interval.seconds
+        finished += done
+        latency_sum += e2e.sum
+        latency_count += e2e.count
+    if finished <= 0 or latency_count <= 0:
+        return 0.0
+    return max(0.0, client_seconds / finished - latency_sum / latency_count)
 
 
 def _saturated(scrapes: Sequence[PlanScrape]) -> bool:

@@ -270,6 +270,26 @@ def test_max_in_flight_holds_arrivals_back_like_waiting_clients() -> None:
     assert capped.duration_s > open_loop.duration_s  # two at a time instead of four
 
 
+def test_a_clients_next_request_lands_a_turnaround_after_its_last_one_ended() -> None:
+    """Two clients, 1 s steps. r0 (2 tokens) and r1 (5 tokens) start together; r0 ends with the step
+    that ends at 2 s. Its client's next request, r2, reaches the engine at 2.5 s with a 0.5 s
+    turnaround: inside the step r1 runs from 2 s to 3 s, so r2 waits for it and gets its first token
+    at the end of the next one, 4 s (1.5 s after it was sent). Without a turnaround it is sent at 2 s
+    and joins the step that starts there."""
+    settings = EngineSettings(
+        num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128
+    )
+    arrivals = [Arrival(0.0, 8, 2), Arrival(0.0, 8, 5), Arrival(0.0, 8, 2)]
+    turned = simulate(settings, arrivals, FixedStep(), max_in_flight=2, client_turnaround_s=0.5)
+    at_once = simulate(settings, arrivals, FixedStep(), max_in_flight=2)
+    assert sorted(turned.ttft_s) == [1.0, 1.0, 1.5]
+    assert sorted(at_once.ttft_s) == [1.0, 1.0, 1.0]
+    assert turned.num_finished == at_once.num_finished == 3
+    assert max(s.num_running + s.num_waiting for s in turned.samples) <= 2
+    with pytest.raises(SimulationError, match="client_turnaround_s"):
+        simulate(settings, arrivals, FixedStep(), max_in_flight=2, client_turnaround_s=-1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class SlowAfter:
     """1 s a step, ``factor`` times that for a step that starts at or after ``at`` (a recorded slow

@@ -43,10 +43,12 @@ def _scrape(
     success: bool = True,
     prefix_per_s: tuple[int, int] | None = None,
     prefix_caching: bool = True,
+    e2e_s: float | None = None,
 ) -> str:
     """The k-th scrape (one a second) of an engine that finishes ``finished_per_s`` requests a second
     (prompt 100, output 50 tokens), holds ``in_flight`` from the first second on (``waiting`` of them
-    queued, the rest running), and runs ``steps_per_s`` steps of 8 tokens, each sampling 4 tokens."""
+    queued, the rest running), and runs ``steps_per_s`` steps of 8 tokens, each sampling 4 tokens;
+    with ``e2e_s``, every request took that long end to end."""
     finished = finished_per_s * k
     running = in_flight - waiting if k else 0
     steps = steps_per_s * k
@@ -64,6 +66,8 @@ def _scrape(
         *_histogram("vllm:iteration_tokens_total", (1, 8, 16), 8, steps),
         *_histogram("vllm:inter_token_latency_seconds", (0.01, 0.1), 0.004, 4 * steps),
     ]
+    if e2e_s is not None:
+        lines += _histogram("vllm:e2e_request_latency_seconds", (1, 2, 4), e2e_s, finished)
     if not success:
         lines = [line for line in lines if not line.startswith("vllm:request_success_total")]
     if prefix_per_s is not None:  # prompt tokens looked up and found in the prefix cache, a second
@@ -185,6 +189,44 @@ def test_a_saturated_recording_is_replayed_closed_loop(tmp_path) -> None:
     # recording); closed-loop clients are not held to that pace.
     assert paced.num_finished <= 1.1 * workload.arrival_rate * paced.duration_s
     assert fast.output_tokens_per_s > 1.33 * paced.output_tokens_per_s
+
+
+@pytest.mark.parametrize(("waiting", "turnaround_s"), [(6, 0.1), (0, 0.0)])
+def test_closed_loop_clients_turn_round_in_what_littles_law_leaves(tmp_path, waiting, turnaround_s) -> None:
+    """8 clients, 5 requests finished a second, each 1.5 s end to end: a client's cycle is 8 / 5 =
+    1.6 s, so 0.1 s of it is spent between a request's end and the next one's arrival. Only a
+    saturated recording is replayed closed-loop; an unsaturated one's arrivals are the clients' own
+    and say nothing of a turnaround."""
+    from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.plan.candidates import context_of
+
+    # Unsaturated: 8 in flight at one scrape only, 3 at the others, no queue.
+    in_flight = [8 if waiting or k == 5 else 3 for k in range(21)]
+    bodies = [
+        (1000.0 + k, "pod-a", _scrape(k, in_flight=n, waiting=waiting, e2e_s=1.5))
+        for k, n in enumerate(in_flight)
+    ]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert workload.saturated is bool(waiting) and workload.peak_in_flight == 8
+    assert workload.client_turnaround_s == pytest.approx(turnaround_s)
+    doc = {
+        "apiVersion": "serving.kvpilot.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
+        "spec": {"model": {"source": "pvc://models/llm"}, "engine": {"maxModelLen": 512}},
+    }
+    ctx = context_of(resolve(doc), workload)
+    assert ctx.closed_loop is bool(waiting)
+    assert ctx.client_turnaround_s == pytest.approx(turnaround_s)
+    assert context_of(resolve(doc), workload, open_loop=True).client_turnaround_s == 0.0
+
+
+def test_a_backlog_past_the_clients_peak_reads_as_no_turnaround(tmp_path) -> None:
+    """Requests that took longer than Little's law allows for the peak (a backlog that grew past it
+    between scrapes) give no negative turnaround."""
+    bodies = [(1000.0 + k, "pod-a", _scrape(k, in_flight=8, waiting=6, e2e_s=3.0)) for k in range(21)]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert workload.saturated and workload.client_turnaround_s == 0.0
 
 
 def test_step_windows_from_busy_and_idle_intervals(tmp_path) -> None:
