@@ -126,6 +126,15 @@ ENGINE_STEP_COUNTERS = (
     ENGINE_STEP_DECODE_CONTEXT_TOTAL,
     ENGINE_STEP_PREFILL_PAIRS_TOTAL,
 )
+# Ours: each decode step's wall time over the mean of the decode steps of its batch size before it
+# (once that size has ``STEP_TIME_RATIO_WARMUP`` steps): the spread of step time around its mean, which
+# the counters' sums smooth out (GIL turns, stalls), for the plan to draw step times from.
+ENGINE_STEP_TIME_RATIO = "kvpilot_engine_step_time_ratio"
+STEP_TIME_RATIO_WARMUP = 32
+STEP_TIME_RATIO_BUCKETS = (
+    0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.75,
+    2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 50.0,
+)  # fmt: skip
 LABEL_PHASE = "phase"
 LABEL_NUM_SEQS = "num_seqs"
 PHASE_DECODE = "decode"
@@ -229,6 +238,7 @@ HISTOGRAMS = (
     REQUEST_PARAMS_N,
     REQUEST_PARAMS_MAX_TOKENS,
     ITERATION_TOKENS_TOTAL,
+    ENGINE_STEP_TIME_RATIO,
 )
 INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO, CONFIG_INFO, KV_POOL_INFO)
 ALL_METRICS = GAUGES + COUNTERS + HISTOGRAMS + INFO

@@ -6,13 +6,18 @@ One series per (phase, batch class) and quantity: the steps, their wall seconds
 slices read and the causal pairs of their longer chunks. A series' increase over a window is the exact
 sum over its steps, so a per-class mean needs no histogram and no bucket interpolation. Every series
 up to the start-up ``max_num_seqs`` is exported at 0 from the start (run-time changes stay within it).
+
+Beside them, ``kvpilot_engine_step_time_ratio``: a histogram of each decode step's wall time over the
+mean wall time of the decode steps of the same batch size before it (from the
+``STEP_TIME_RATIO_WARMUP``-th on). The sums give a planner each class's mean; the ratio gives the spread
+around it -- the event loop's turns, a collector's pause -- which shorter steps feel as latency.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvpilot.engine import metrics_names as names
 from kvpilot.engine.stats import IterationStats
@@ -41,6 +46,15 @@ class StepShapeCounters:
             for name in names.ENGINE_STEP_COUNTERS
         ]
         self._engine_labels = engine_labels
+        self._ratio = Histogram(
+            names.ENGINE_STEP_TIME_RATIO,
+            "Decode step wall time over the mean of the earlier decode steps of its batch size.",
+            [names.LABEL_ENGINE, names.LABEL_MODEL_NAME],
+            buckets=names.STEP_TIME_RATIO_BUCKETS,
+            registry=registry,
+        ).labels(*engine_labels)
+        # Decode steps by batch size: [steps, wall seconds] so far (the ratio's baseline).
+        self._decode_means: dict[int, list[float]] = {}
         self._series: dict[tuple[str, str], tuple[Any, ...]] = {}
         for phase in names.PHASES:
             for batch in names.batch_classes(max_num_seqs):
@@ -69,3 +83,15 @@ class StepShapeCounters:
             context.inc(it.decode_context_tokens)
         if it.prefill_attention_pairs:
             pairs.inc(it.prefill_attention_pairs)
+        if phase == names.PHASE_DECODE:
+            self._observe_ratio(it.num_running_seqs, max(0.0, it.wall_s))
+
+    def _observe_ratio(self, num_seqs: int, wall_s: float) -> None:
+        """Observe ``wall_s`` over the mean of the earlier decode steps of ``num_seqs`` sequences, once
+        there are enough of them; then count it into that mean."""
+        so_far = self._decode_means.setdefault(num_seqs, [0.0, 0.0])
+        steps, seconds = so_far
+        if steps >= names.STEP_TIME_RATIO_WARMUP and seconds > 0:
+            self._ratio.observe(wall_s * steps / seconds)
+        so_far[0] = steps + 1
+        so_far[1] = seconds + wall_s

@@ -304,6 +304,7 @@ def evaluate(
             max_sim_s=2 * max(workload.duration_s, 1.0),
             max_in_flight=cap,
             client_turnaround_s=ctx.client_turnaround_s,
+            seed=draw,
         )
 
     try:

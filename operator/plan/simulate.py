@@ -20,7 +20,8 @@ simulation adds is only the clock (``step_time``) and the token values (which de
 Clock: a step scheduled at ``now`` ends at ``now + step_seconds(tokens, seqs, context, pairs)`` (the
 step's shape as ``SchedulerOutput`` counts it), times ``step_time.factor_at(now)`` where the model has
 one (the recording's slow stretches, ``step_time.with_variation``; the arrivals' clock is the
-recording's); its sampled tokens are stamped with that end time.
+recording's), times a factor drawn for the step where the model spreads single steps
+(``step_time.with_jitter``); its sampled tokens are stamped with that end time.
 Arrivals up to the start of a step are queued before it; with nothing to run the clock jumps to the
 next arrival.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -354,6 +356,7 @@ def simulate(
     on_step: Callable[[StepTrace], None] | None = None,
     max_in_flight: int | None = None,
     client_turnaround_s: float = 0.0,
+    seed: int = 0,
 ) -> SimResult:
     """Run ``arrivals`` (sorted by time here) through one simulated engine replica.
 
@@ -366,7 +369,8 @@ def simulate(
     takes from a request's last token to its next request reaching the engine (reading the answer,
     the round trip, the server's parsing and tokenizing): a held-back arrival is sent no earlier than
     that after the request whose place it takes finished, so it lands inside the step then running and
-    waits for it, as a real client's does.
+    waits for it, as a real client's does. ``seed``: the draws of a step-time model that spreads
+    single steps (``jitter_factor``; a run with the same seed draws the same factors).
     Raises SimulationError for an arrival the engine would refuse or a step time that is not positive.
     """
     ordered = sorted(arrivals, key=lambda a: a.time)
@@ -378,6 +382,10 @@ def simulate(
     # The attention totals of each step, only for a model that prices them (one pass per step).
     shaped = getattr(step_time, "uses_attention_shape", True)
     factor_at = getattr(step_time, "factor_at", None)
+    # Single steps spread around the model's time (step_time.with_jitter), drawn from this run's own
+    # random stream so that a candidate's result does not depend on what ran before it.
+    jitter = step_time.jitter_factor if getattr(step_time, "jitter", ()) else None
+    rng = random.Random(seed)
     engine = SimulatedEngine(settings)
     sched = engine.scheduler
     bm = sched.block_manager
@@ -426,6 +434,8 @@ def simulate(
             duration = step_time.step_seconds(out.num_batched_tokens, len(out.scheduled))
         if factor_at is not None:
             duration *= factor_at(now)
+        if jitter is not None:
+            duration *= jitter(rng.random())
         if not duration > 0:
             raise SimulationError(f"the step-time model gave {duration!r} s for a step; it must be positive")
         now += duration

@@ -41,6 +41,17 @@ had, at the times it had them, under every candidate. Only where the windows kno
 not the box. What it cannot see: slowdowns shorter than a scrape interval, which the interval's mean
 smooths out.
 
+**Spread around the mean** (``with_jitter``). The fit and the variation are means over many steps; a
+single step can take longer than its mean (the server's turn at the interpreter, a collector's pause)
+and a short TTFT feels that. kvpilot's engine exports each decode step's wall time over the mean of the
+earlier decode steps of its batch size (``kvpilot_engine_step_time_ratio``). Where the recording holds
+at least ``MIN_JITTER_STEPS`` of them, the simulator multiplies every step's time by a factor drawn
+from that histogram (uniform within a bucket, the distribution's mean scaled to 1 so the fit's mean
+stays), and the replayed variation over time is left out: the ratio's baseline is the mean since the
+engine started, so the spread already holds the slow stretches, and replaying them at their recorded
+times as well would count them twice (and tie every candidate to the moments the settings in force
+were slow).
+
 What the fit cannot capture: CUDA-graph batch-size buckets,
 swap and copy time, and anything the recording never exercised (shapes outside those seen extrapolate
 linearly in the terms). With fewer distinct windows than terms, the terms the data cannot tell apart
@@ -54,10 +65,14 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from kvpilot.operator.remediation.metrics import Histogram
+
 TERMS = ("a", "b", "c", "d", "e")
 # An interval gives a variation factor only with this many steps: fewer are one request's jitter,
 # not a slow stretch.
 MIN_VARIATION_STEPS = 20
+# The step-time ratios a recording needs before the simulator draws step times from them.
+MIN_JITTER_STEPS = 200
 # The order terms are given up in when the data cannot support them: the finest first.
 _DROP_ORDER = ("e", "d", "c", "b", "a")
 
@@ -128,6 +143,10 @@ class LinearStepTime:
     # The recorded variation (``with_variation``): segments (start, end, factor) in seconds from the
     # recording's start, in time order; empty: none (every step at the fit's time).
     variation: tuple[tuple[float, float, float], ...] = ()
+    # The spread of single steps around the model (``with_jitter``): per bucket with observations,
+    # (cumulative probability at its top, low, high) of the factor, scaled to a mean of 1; empty: none.
+    jitter: tuple[tuple[float, float, float], ...] = ()
+    jitter_steps: float = 0.0  # the decode steps the spread was measured on
 
     def __post_init__(self) -> None:
         values = (self.a, self.b, self.c, self.d, self.e)
@@ -135,8 +154,11 @@ class LinearStepTime:
             raise StepTimeError(f"step-time coefficients must be finite, >= 0 and not all 0, got {values}")
         if not all(math.isfinite(f) and f > 0 and end > start for start, end, f in self.variation):
             raise StepTimeError("step-time variation segments need end > start and a factor > 0")
+        if not all(0 < p <= 1 + 1e-9 and 0 <= low <= high for p, low, high in self.jitter):
+            raise StepTimeError("step-time jitter buckets need a probability in (0, 1] and 0 <= low <= high")
         # Where each segment starts, for factor_at's search (not a field: derived from variation).
         object.__setattr__(self, "_starts", [start for start, _, _ in self.variation])
+        object.__setattr__(self, "_jitter_tops", [p for p, _, _ in self.jitter])
 
     @property
     def uses_attention_shape(self) -> bool:
@@ -175,6 +197,18 @@ class LinearStepTime:
         start, end, factor = self.variation[i]
         return factor if start <= t < end else 1.0
 
+    def jitter_factor(self, u: float) -> float:
+        """The spread factor at ``u`` (uniform in [0, 1)): inverse of the piecewise-uniform distribution
+        ``jitter`` holds (1.0 without one)."""
+        if not self.jitter:
+            return 1.0
+        tops = self._jitter_tops
+        i = min(bisect.bisect_right(tops, u), len(tops) - 1)
+        below = tops[i - 1] if i else 0.0
+        _, low, high = self.jitter[i]
+        share = (u - below) / (tops[i] - below) if tops[i] > below else 0.0
+        return low + (high - low) * min(1.0, max(0.0, share))
+
     def describe(self) -> str:
         parts = [f"{self.a * 1e3:.3f} ms", f"{self.b * 1e6:.3f} us/token", f"{self.c * 1e6:.3f} us/seq"]
         if self.d or "d" in self.terms:
@@ -186,6 +220,14 @@ class LinearStepTime:
             f"(fitted on {self.num_windows} window(s), terms {'+'.join(self.terms)}"
             + (f", rmse {self.rmse_s * 1e3:.3f} ms)" if self.rmse_s is not None else ")")
             + (self._describe_variation() if self.variation else "")
+            + (self._describe_jitter() if self.jitter else "")
+        )
+
+    def _describe_jitter(self) -> str:
+        p10, p90 = self.jitter_factor(0.1), self.jitter_factor(0.9)
+        return (
+            f"; each step x{p10:.2f}-x{p90:.2f} (10th-90th percentile, the spread of "
+            f"{self.jitter_steps:.0f} recorded decode steps)"
         )
 
     def _describe_variation(self) -> str:
@@ -331,3 +373,37 @@ def with_variation(
         if following is not None and following[0] > at and open_intervals > 0 and given_sum > 0:
             segments.append((at, following[0], took_sum / given_sum))
     return dataclasses.replace(model, variation=tuple(segments))
+
+
+def with_jitter(
+    model: LinearStepTime, ratios: Histogram, min_steps: float = MIN_JITTER_STEPS
+) -> LinearStepTime:
+    """``model`` with single steps spread as the recorded step-time ratios ``ratios`` (a histogram of
+    a step's wall time over its mean; see the module doc), without replayed variation; ``model`` as it
+    is when they hold fewer than ``min_steps`` observations. Each bucket's factors are uniform between
+    its bounds (the lowest from half its bound; the ``+Inf`` bucket at the highest finite bound), and
+    all are scaled so that their mean is 1."""
+    if ratios.count < min_steps:
+        return model
+    pieces = []
+    below_le, below_count = None, 0.0
+    for le, cumulative in ratios.buckets:
+        count = cumulative - below_count
+        if count > 0:
+            if math.isinf(le):
+                low = high = below_le if below_le is not None else 1.0
+            else:
+                low, high = (le / 2 if below_le is None else below_le), le
+            pieces.append([count, low, high])
+        below_count = cumulative
+        if not math.isinf(le):
+            below_le = le
+    total = sum(c for c, _, _ in pieces)
+    mean = sum(c * (low + high) / 2 for c, low, high in pieces) / total if total > 0 else 0.0
+    if not (total > 0 and mean > 0):
+        return model
+    jitter, cumulative = [], 0.0
+    for count, low, high in pieces:
+        cumulative += count / total
+        jitter.append((min(1.0, cumulative), low / mean, high / mean))
+    return dataclasses.replace(model, variation=(), jitter=tuple(jitter), jitter_steps=ratios.count)

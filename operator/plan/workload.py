@@ -17,8 +17,9 @@ the KV pool they ran on (torch-free).
   ``gpu_memory_utilization`` it was sized with, whether it was sized explicitly
   (``num_gpu_blocks_override``), ``enable_prefix_caching`` and ``num_cpu_blocks``.
 * **Step windows** for ``step_time.fit_step_time``, and by interval (``step_intervals``) for the
-  variation over time ``step_time.with_variation`` replays (see there; ``Workload.step_time`` does
-  both).
+  variation over time ``step_time.with_variation`` replays, or the spread of single steps
+  (``kvpilot_engine_step_time_ratio``) ``step_time.with_jitter`` draws from where the engine exports it
+  (see there; ``Workload.step_time`` picks).
 
 * **Client concurrency.** The most requests the pods held at once (``peak_in_flight``): clients
   that wait for answers never keep more in flight, whatever the engine does. The plan caps each
@@ -60,7 +61,14 @@ from kvpilot.engine.memory import plan_kv_pool
 from kvpilot.operator.plan.lengths import LengthDistribution, bucket_spreads
 from kvpilot.operator.plan.recording import Interval, PlanScrape, RecordingError, intervals_of
 from kvpilot.operator.plan.simulate import Arrival
-from kvpilot.operator.plan.step_time import LinearStepTime, StepWindow, fit_step_time, with_variation
+from kvpilot.operator.plan.step_time import (
+    MIN_JITTER_STEPS,
+    LinearStepTime,
+    StepWindow,
+    fit_step_time,
+    with_jitter,
+    with_variation,
+)
 from kvpilot.operator.remediation.metrics import Histogram
 
 MIN_LENGTH_SAMPLES = 8
@@ -201,6 +209,9 @@ class Workload:
     # engine (``_client_turnaround``); 0 where the recording cannot tell (not saturated: the arrivals
     # are the clients' own, and no request's end paces the next).
     client_turnaround_s: float = 0.0
+    # kvpilot_engine_step_time_ratio over the recording (None: not exported): the spread of single
+    # decode steps around their mean, which ``step_time`` draws from (step_time.with_jitter).
+    step_time_ratio: Histogram | None = None
 
     @property
     def step_windows(self) -> tuple[StepWindow, ...]:
@@ -208,9 +219,13 @@ class Workload:
         return tuple(w for _, _, windows in self.step_intervals for w in windows)
 
     def step_time(self) -> LinearStepTime:
-        """The step-time model fitted on the recorded steps, with their variation over time (see
+        """The step-time model fitted on the recorded steps, with the recorded spread of single steps
+        where the recording holds enough of it, else with their variation over time (see
         ``step_time``). Raises StepTimeError when no window holds a step."""
-        return with_variation(fit_step_time(self.step_windows), self.step_intervals)
+        model = fit_step_time(self.step_windows)
+        if self.step_time_ratio is not None and self.step_time_ratio.count >= MIN_JITTER_STEPS:
+            return with_jitter(model, self.step_time_ratio)
+        return with_variation(model, self.step_intervals)
 
     @property
     def preemptions_per_s(self) -> float:
@@ -404,6 +419,7 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         step_intervals=step_intervals,
         prefix_hit_rate=_prefix_hit_rate(intervals) if pool.enable_prefix_caching else None,
         client_turnaround_s=_client_turnaround(intervals) if saturated else 0.0,
+        step_time_ratio=_summed(intervals, m.ENGINE_STEP_TIME_RATIO),
     )
 
 
@@ -414,6 +430,21 @@ def _prefix_hit_rate(intervals: Sequence[Interval]) -> float | None:
     counted = [[i.counters[n] for n in both] for i in intervals if all(n in i.counters for n in both)]
     queries, hits = (sum(c[k] for c in counted) for k in (0, 1))
     return min(1.0, hits / queries) if queries > 0 else None
+
+
+def _summed(intervals: Sequence[Interval], name: str) -> Histogram | None:
+    """Histogram ``name`` over every interval that has it (None: none has; intervals whose bucket
+    bounds differ from the first's, as after an upgrade, are left out)."""
+    total: Histogram | None = None
+    for interval in intervals:
+        h = interval.histograms.get(name)
+        if h is None:
+            continue
+        if total is None:
+            total = h
+        elif h.bounds == total.bounds:
+            total = total + h
+    return total
 
 
 def _mean_of(intervals: Sequence[Interval], name: str) -> float | None:

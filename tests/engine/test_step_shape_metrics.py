@@ -157,3 +157,61 @@ def test_attention_shape_of_decodes_and_chunks_at_several_positions() -> None:
     assert (
         out.attention_shape() == (out.decode_context_tokens, out.prefill_attention_pairs) == (4 + 41, 28 + 27)
     )
+
+
+def _step(num_seqs: int, wall_s: float, prefill: bool = False):
+    from kvpilot.engine.stats import IterationStats
+
+    return IterationStats(
+        num_batched_tokens=num_seqs * (16 if prefill else 1),
+        num_prefill_tokens=num_seqs * 16 if prefill else 0,
+        num_prompt_tokens=0,
+        num_generation_tokens=num_seqs,
+        num_running_seqs=num_seqs,
+        num_preemptions=0,
+        schedule_s=0.0,
+        prepare_s=0.0,
+        forward_s=0.0,
+        sample_s=0.0,
+        update_s=0.0,
+        num_prefill_seqs=num_seqs if prefill else 0,
+        wall_s=wall_s,
+    )
+
+
+def test_the_step_time_ratio_is_each_decode_step_over_the_earlier_mean_of_its_batch_size() -> None:
+    """After the warm-up, a decode step of 2 ms where its batch size averaged 1 ms observes 2.0; the
+    mean is per batch size (4 sequences at 4 ms each is 1.0), and prefill steps observe nothing."""
+    from prometheus_client import CollectorRegistry
+
+    from kvpilot.engine.step_metrics import StepShapeCounters
+
+    registry = CollectorRegistry()
+    counters = StepShapeCounters(registry, ("0", "m"), 8)
+    warmup = names.STEP_TIME_RATIO_WARMUP
+    for _ in range(warmup):
+        counters.record(_step(1, 0.001))
+        counters.record(_step(4, 0.004))
+        counters.record(_step(1, 0.050, prefill=True))
+
+    def ratio_samples() -> dict[str, float]:
+        return {
+            (s.name.removeprefix(names.ENGINE_STEP_TIME_RATIO), s.labels.get("le")): s.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in family.samples
+            if s.name.startswith(names.ENGINE_STEP_TIME_RATIO)
+        }
+
+    assert ratio_samples()[("_count", None)] == 0  # exported from the start, nothing observed yet
+    counters.record(_step(1, 0.002))
+    counters.record(_step(4, 0.004))
+    counters.record(_step(2, 0.003))  # a batch size with no history: no ratio yet
+    counters.record(_step(1, 0.030, prefill=True))
+    samples = ratio_samples()
+    assert samples[("_count", None)] == 2
+    assert samples[("_sum", None)] == pytest.approx(2.0 + 1.0)
+    assert samples[("_bucket", "1.0")] == 1 and samples[("_bucket", "1.75")] == 1
+    assert samples[("_bucket", "2.0")] == 2
+    # The 2 ms step joined its mean: (32 x 1 + 2) / 33 ms.
+    counters.record(_step(1, 0.001))
+    assert ratio_samples()[("_sum", None)] == pytest.approx(3.0 + 1.0 / (34 / 33))

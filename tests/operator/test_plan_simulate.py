@@ -314,3 +314,26 @@ def test_a_step_takes_its_time_times_the_factor_where_it_starts() -> None:
     result = simulate(settings, [Arrival(0.0, 10, 4)], SlowAfter(1.5, 2.5))
     assert [s.time for s in result.samples] == [1.0, 2.0, 4.5, 7.0]
     assert result.ttft_s == (1.0,) and result.itl_s == (1.0, 2.5, 2.5)
+
+
+def test_a_model_that_spreads_its_steps_spreads_the_latencies_and_keeps_the_pace() -> None:
+    """The same requests, 1 ms a step, as fixed and spread half at 0.5-1.0x and half at 1.0-1.5x: the
+    spread gives requests different TTFTs where fixed steps gave one; the same seed draws the same
+    run, another seed another; the total time stays close (the factors average 1)."""
+    from kvpilot.operator.plan.step_time import LinearStepTime
+
+    settings = EngineSettings(
+        num_gpu_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128
+    )
+    arrivals = [Arrival(0.05 * k, 8, 20) for k in range(100)]
+    fixed = LinearStepTime(0.001)
+    spread = dataclasses.replace(fixed, jitter=((0.5, 0.5, 1.0), (1.0, 1.0, 1.5)), jitter_steps=1000)
+    steady = simulate(settings, arrivals, fixed)
+    a, b = simulate(settings, arrivals, spread, seed=1), simulate(settings, arrivals, spread, seed=1)
+    other = simulate(settings, arrivals, spread, seed=2)
+    assert max(steady.ttft_s) - min(steady.ttft_s) < 1e-9
+    assert min(a.ttft_s) < 0.0006 and max(a.ttft_s) > 0.0014  # each request's one step, drawn
+    assert a.ttft_s == b.ttft_s and a.samples == b.samples and a.ttft_s != other.ttft_s
+    busy = sum(1 for _ in a.samples)
+    assert busy == steady.num_steps == a.num_steps  # the same decisions, only their times differ
+    assert sum(a.itl_s) == pytest.approx(sum(steady.itl_s), rel=0.05)

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
 
+from kvpilot.engine.metrics_names import STEP_TIME_RATIO_BUCKETS
 from kvpilot.operator.plan.step_time import (
+    MIN_JITTER_STEPS,
     LinearStepTime,
     StepTimeError,
     StepWindow,
     fit_step_time,
+    with_jitter,
     with_variation,
 )
+from kvpilot.operator.remediation.metrics import Histogram
 
 TRUE = LinearStepTime(a=0.004, b=2e-5, c=3e-4)
 
@@ -209,3 +214,38 @@ def test_no_variation_without_shaped_windows_or_steps() -> None:
     assert model.factor_at(3.0) == 1.0
     with pytest.raises(StepTimeError):
         LinearStepTime(a=0.001, variation=((1.0, 0.5, 1.0),))
+
+
+def _ratios(counts: dict[float, float], total_sum: float | None = None) -> Histogram:
+    """A ratio histogram with the engine's buckets holding ``counts`` observations per bound."""
+    buckets, running = [], 0.0
+    for le in (*STEP_TIME_RATIO_BUCKETS, math.inf):
+        running += counts.get(le, 0.0)
+        buckets.append((le, running))
+    return Histogram(tuple(buckets), total_sum if total_sum is not None else running, running)
+
+
+def test_jitter_draws_the_recorded_spread_with_the_fits_mean() -> None:
+    """800 steps at 0.95-1.0 of their mean, 150 at 1.0-1.05, 40 at 1.4-1.5 and 10 at 4-5: drawn
+    factors fall in those ranges as often, scaled so that they average 1 (the fit keeps its mean)."""
+    model = LinearStepTime(0.001, variation=((0.0, 10.0, 1.5),))
+    jittered = with_jitter(model, _ratios({1.0: 800, 1.05: 150, 1.5: 40, 5.0: 10}))
+    assert jittered.variation == () and jittered.jitter_steps == 1000
+    mean = (800 * 0.975 + 150 * 1.025 + 40 * 1.45 + 10 * 4.5) / 1000
+    draws = [jittered.jitter_factor((k + 0.5) / 10_000) for k in range(10_000)]
+    assert sum(draws) / len(draws) == pytest.approx(1.0, abs=1e-3)
+    assert sum(0.95 / mean <= f <= 1.0 / mean for f in draws) == 8000
+    assert sum(1.4 / mean <= f <= 1.5 / mean for f in draws) == 400
+    assert max(draws) <= 5.0 / mean and sum(f >= 4.0 / mean for f in draws) == 100
+    assert jittered.jitter_factor(0.3) == jittered.jitter_factor(0.3)  # a function of the draw alone
+    assert "x0." in jittered.describe() and "1000 recorded decode steps" in jittered.describe()
+    # The +Inf bucket sits at the highest finite bound.
+    tail = with_jitter(model, _ratios({1.0: 900, math.inf: 100}))
+    assert tail.jitter_factor(0.99) == pytest.approx(50.0 / (0.9 * 0.975 + 0.1 * 50.0))
+
+
+def test_too_few_ratios_leave_the_model_as_it_is() -> None:
+    model = LinearStepTime(0.001, variation=((0.0, 10.0, 1.5),))
+    few = _ratios({1.0: MIN_JITTER_STEPS - 1})
+    assert with_jitter(model, few) is model
+    assert model.jitter_factor(0.5) == 1.0

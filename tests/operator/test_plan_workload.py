@@ -278,6 +278,49 @@ def test_step_windows_from_the_engines_step_counters(tmp_path) -> None:
     assert step_time.step_seconds(200, 1, 0, 200 * 201 // 2) == pytest.approx(0.04, rel=1e-6)
 
 
+def _with_step_ratios(body: str, k: int, slow_per_s: int = 6) -> str:
+    """``body`` plus kvpilot's step-time ratios after ``k`` seconds: each second 60 decode steps, all
+    but ``slow_per_s`` of them at 0.95-1.0 of their mean and those at 1.75-2.0."""
+    lines, cumulative = [], 0.0
+    for le in (*m.STEP_TIME_RATIO_BUCKETS, float("inf")):
+        cumulative += {1.0: 60 - slow_per_s, 2.0: slow_per_s}.get(le, 0) * k
+        bound = "+Inf" if le == float("inf") else str(le)
+        lines.append(
+            f'{m.ENGINE_STEP_TIME_RATIO}_bucket{{engine="0",le="{bound}",model_name="m"}} {cumulative}'
+        )
+    total = (60 - slow_per_s + 1.9 * slow_per_s) * k
+    lines.append(f'{m.ENGINE_STEP_TIME_RATIO}_sum{{engine="0",model_name="m"}} {total}')
+    lines.append(f'{m.ENGINE_STEP_TIME_RATIO}_count{{engine="0",model_name="m"}} {60 * k}')
+    return body + "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("seconds", [21, 3])
+def test_the_recorded_spread_of_single_steps_replaces_the_replayed_variation(tmp_path, seconds) -> None:
+    """60 decode steps a second, a tenth of them twice their mean: with 20 s of them (1,200 steps) the
+    step time draws every step's factor from that spread and replays no slow stretch; with 2 s (120,
+    fewer than MIN_JITTER_STEPS) it keeps the variation over time."""
+    from kvpilot.operator.plan.step_time import MIN_JITTER_STEPS
+
+    bodies = [
+        (1000.0 + k, "pod-a", _with_step_ratios(_with_step_counters(_scrape(k), k), k))
+        for k in range(seconds)
+    ]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert workload.step_time_ratio is not None and workload.step_time_ratio.count == 60 * (seconds - 1)
+    step_time = workload.step_time()
+    if workload.step_time_ratio.count >= MIN_JITTER_STEPS:
+        assert step_time.variation == () and step_time.jitter_steps == 60 * (seconds - 1)
+        draws = [step_time.jitter_factor((i + 0.5) / 1000) for i in range(1000)]
+        assert sum(draws) / 1000 == pytest.approx(1.0, abs=1e-3)
+        assert sum(f > 1.5 for f in draws) == 100  # the slow tenth
+    else:
+        assert step_time.jitter == () and step_time.variation != ()
+    # Without the histogram (another engine, or an older kvpilot) the variation is replayed as before.
+    plain = [(1000.0 + k, "pod-a", _with_step_counters(_scrape(k), k)) for k in range(seconds)]
+    old = workload_from_scrapes(read_recording(_write(tmp_path, plain, "plain.jsonl")))
+    assert old.step_time_ratio is None and old.step_time().jitter == ()
+
+
 def test_a_negative_step_counter_is_refused(tmp_path) -> None:
     bodies = [(1000.0 + k, "p", _with_step_counters(_scrape(k), k)) for k in range(3)]
     bodies[1] = (bodies[1][0], "p", bodies[1][2].replace(" 30.0\n", " -30.0\n", 1))
