@@ -434,6 +434,10 @@ def binned_quantile(values: tuple[float, ...], bounds: list[float], q: float) ->
     return histogram_quantile({}, cumulative, q)
 
 
+# --step-spread: the step-time model draws single steps from the recorded spread (Workload.step_time).
+STEP_SPREAD = False
+
+
 def predict(
     doc: dict,
     recording: Path,
@@ -449,7 +453,7 @@ def predict(
     workload = workload_from_scrapes(scrapes)
     if trace is not None:
         workload = with_trace(workload, scrapes, [str(trace)])
-    step_time = workload.step_time()
+    step_time = workload.step_time(spread=STEP_SPREAD)
     ctx, _ = calibrate(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
     out = []
     for candidate in candidates:
@@ -768,7 +772,15 @@ def main(argv: list[str] | None = None) -> int:
         help="run no engine: plan again the runs of an earlier report (its --out) from the recordings "
         "and traces it kept in --keep, with the plan's code as it is now",
     )
+    parser.add_argument(
+        "--step-spread",
+        action="store_true",
+        help="plan as `kvpilot plan --step-spread`: every step drawn from the recorded spread of single "
+        "steps instead of the recording's slow stretches replayed",
+    )
     args = parser.parse_args(argv)
+    global STEP_SPREAD
+    STEP_SPREAD = args.step_spread
     if args.replan is not None and args.keep is None:
         parser.error("--replan needs --keep: the directory the earlier run kept its recordings in")
     from kvpilot.kernels import isa

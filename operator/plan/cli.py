@@ -81,6 +81,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "recording's peak, as clients that wait for answers do)",
     )
     plan.add_argument(
+        "--step-spread",
+        action="store_true",
+        help="draw every simulated step's time from the recorded spread of single steps "
+        "(kvpilot_engine_step_time_ratio) instead of replaying the recording's slow stretches",
+    )
+    plan.add_argument(
         "--trace",
         action="append",
         default=[],
@@ -192,6 +198,11 @@ def plan_document(
                 "terms": list(step_time.terms),
                 "num_windows": step_time.num_windows,
                 "rmse_s": step_time.rmse_s,
+                # How single steps spread around the model (with_jitter; 0 steps: not drawn) and the
+                # recorded slow stretches replayed instead (with_variation).
+                "spread_steps": step_time.jitter_steps,
+                "spread_p10_p50_p90": [step_time.jitter_factor(q) for q in (0.1, 0.5, 0.9)],
+                "variation_segments": len(step_time.variation),
             },
             "threshold": {"preemption_rate": ctx.preemption_rate, "window_s": ctx.window_s},
             "client_concurrency": ctx.client_concurrency,
@@ -223,7 +234,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         workload = workload_from_scrapes(scrapes)
         if args.trace:
             workload = with_trace(workload, scrapes, args.trace)
-        step_time = workload.step_time()
+        step_time = workload.step_time(spread=args.step_spread)
     except (RecordingError, StepTimeError) as exc:
         print(f"error: {args.recording}: {exc}", file=sys.stderr)
         return 1

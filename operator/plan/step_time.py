@@ -45,12 +45,16 @@ smooths out.
 single step can take longer than its mean (the server's turn at the interpreter, a collector's pause)
 and a short TTFT feels that. kvpilot's engine exports each decode step's wall time over the mean of the
 earlier decode steps of its batch size (``kvpilot_engine_step_time_ratio``). Where the recording holds
-at least ``MIN_JITTER_STEPS`` of them, the simulator multiplies every step's time by a factor drawn
+at least ``MIN_JITTER_STEPS`` of them, ``kvpilot plan --step-spread`` (``Workload.step_time(spread=True)``)
+has the simulator multiply every step's time by a factor drawn
 from that histogram (uniform within a bucket, the distribution's mean scaled to 1 so the fit's mean
 stays), and the replayed variation over time is left out: the ratio's baseline is the mean since the
 engine started, so the spread already holds the slow stretches, and replaying them at their recorded
 times as well would count them twice (and tie every candidate to the moments the settings in force
-were slow).
+were slow). It is not the default: the baseline is a batch size's mean, so where the decode steps of
+one batch size differ by shape (contexts of 300 and 800 tokens) the spread holds that shape too, which
+the model already prices; measured on the fidelity benchmark, it fixes a few-millisecond TTFT p99 and
+over-predicts the long-prompt ones by a third.
 
 What the fit cannot capture: CUDA-graph batch-size buckets,
 swap and copy time, and anything the recording never exercised (shapes outside those seen extrapolate

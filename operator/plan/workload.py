@@ -17,9 +17,9 @@ the KV pool they ran on (torch-free).
   ``gpu_memory_utilization`` it was sized with, whether it was sized explicitly
   (``num_gpu_blocks_override``), ``enable_prefix_caching`` and ``num_cpu_blocks``.
 * **Step windows** for ``step_time.fit_step_time``, and by interval (``step_intervals``) for the
-  variation over time ``step_time.with_variation`` replays, or the spread of single steps
-  (``kvpilot_engine_step_time_ratio``) ``step_time.with_jitter`` draws from where the engine exports it
-  (see there; ``Workload.step_time`` picks).
+  variation over time ``step_time.with_variation`` replays, or (``Workload.step_time(spread=True)``)
+  the spread of single steps (``kvpilot_engine_step_time_ratio``) ``step_time.with_jitter`` draws
+  from where the engine exports it (see there).
 
 * **Client concurrency.** The most requests the pods held at once (``peak_in_flight``): clients
   that wait for answers never keep more in flight, whatever the engine does. The plan caps each
@@ -210,7 +210,7 @@ class Workload:
     # are the clients' own, and no request's end paces the next).
     client_turnaround_s: float = 0.0
     # kvpilot_engine_step_time_ratio over the recording (None: not exported): the spread of single
-    # decode steps around their mean, which ``step_time`` draws from (step_time.with_jitter).
+    # decode steps around their mean, which ``step_time(spread=True)`` draws from (with_jitter).
     step_time_ratio: Histogram | None = None
 
     @property
@@ -218,13 +218,14 @@ class Workload:
         """Every interval's step windows, in time order (what the step time is fitted on)."""
         return tuple(w for _, _, windows in self.step_intervals for w in windows)
 
-    def step_time(self) -> LinearStepTime:
-        """The step-time model fitted on the recorded steps, with the recorded spread of single steps
-        where the recording holds enough of it, else with their variation over time (see
+    def step_time(self, spread: bool = False) -> LinearStepTime:
+        """The step-time model fitted on the recorded steps, with their variation over time, or with
+        ``spread`` the recorded spread of single steps where the recording holds enough of it (see
         ``step_time``). Raises StepTimeError when no window holds a step."""
         model = fit_step_time(self.step_windows)
-        if self.step_time_ratio is not None and self.step_time_ratio.count >= MIN_JITTER_STEPS:
-            return with_jitter(model, self.step_time_ratio)
+        ratios = self.step_time_ratio
+        if spread and ratios is not None and ratios.count >= MIN_JITTER_STEPS:
+            return with_jitter(model, ratios)
         return with_variation(model, self.step_intervals)
 
     @property

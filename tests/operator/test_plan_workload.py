@@ -297,8 +297,8 @@ def _with_step_ratios(body: str, k: int, slow_per_s: int = 6) -> str:
 @pytest.mark.parametrize("seconds", [21, 3])
 def test_the_recorded_spread_of_single_steps_replaces_the_replayed_variation(tmp_path, seconds) -> None:
     """60 decode steps a second, a tenth of them twice their mean: with 20 s of them (1,200 steps) the
-    step time draws every step's factor from that spread and replays no slow stretch; with 2 s (120,
-    fewer than MIN_JITTER_STEPS) it keeps the variation over time."""
+    step time asked for the spread draws every step's factor from it and replays no slow stretch; with
+    2 s (120, fewer than MIN_JITTER_STEPS) it keeps the variation over time."""
     from kvpilot.operator.plan.step_time import MIN_JITTER_STEPS
 
     bodies = [
@@ -307,7 +307,8 @@ def test_the_recorded_spread_of_single_steps_replaces_the_replayed_variation(tmp
     ]
     workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
     assert workload.step_time_ratio is not None and workload.step_time_ratio.count == 60 * (seconds - 1)
-    step_time = workload.step_time()
+    assert workload.step_time().jitter == ()  # the replayed variation unless the spread is asked for
+    step_time = workload.step_time(spread=True)
     if workload.step_time_ratio.count >= MIN_JITTER_STEPS:
         assert step_time.variation == () and step_time.jitter_steps == 60 * (seconds - 1)
         draws = [step_time.jitter_factor((i + 0.5) / 1000) for i in range(1000)]
@@ -318,7 +319,7 @@ def test_the_recorded_spread_of_single_steps_replaces_the_replayed_variation(tmp
     # Without the histogram (another engine, or an older kvpilot) the variation is replayed as before.
     plain = [(1000.0 + k, "pod-a", _with_step_counters(_scrape(k), k)) for k in range(seconds)]
     old = workload_from_scrapes(read_recording(_write(tmp_path, plain, "plain.jsonl")))
-    assert old.step_time_ratio is None and old.step_time().jitter == ()
+    assert old.step_time_ratio is None and old.step_time(spread=True).jitter == ()
 
 
 def test_a_negative_step_counter_is_refused(tmp_path) -> None:
