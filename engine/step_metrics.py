@@ -53,8 +53,8 @@ class StepShapeCounters:
             buckets=names.STEP_TIME_RATIO_BUCKETS,
             registry=registry,
         ).labels(*engine_labels)
-        # Decode steps by batch size: [steps, wall seconds] so far (the ratio's baseline).
-        self._decode_means: dict[int, list[float]] = {}
+        # Decode steps by batch size: (steps, wall seconds) so far (the ratio's baseline).
+        self._decode_means: dict[int, tuple[int, float]] = {}
         self._series: dict[tuple[str, str], tuple[Any, ...]] = {}
         for phase in names.PHASES:
             for batch in names.batch_classes(max_num_seqs):
@@ -75,8 +75,9 @@ class StepShapeCounters:
         steps, seconds, tokens, seqs, context, pairs = self._of(
             (phase, names.batch_class(it.num_running_seqs))
         )
+        wall_s = max(0.0, it.wall_s)
         steps.inc()
-        seconds.inc(max(0.0, it.wall_s))
+        seconds.inc(wall_s)
         tokens.inc(it.num_batched_tokens)
         seqs.inc(it.num_running_seqs)
         if it.decode_context_tokens:
@@ -84,14 +85,12 @@ class StepShapeCounters:
         if it.prefill_attention_pairs:
             pairs.inc(it.prefill_attention_pairs)
         if phase == names.PHASE_DECODE:
-            self._observe_ratio(it.num_running_seqs, max(0.0, it.wall_s))
+            self._observe_ratio(it.num_running_seqs, wall_s)
 
     def _observe_ratio(self, num_seqs: int, wall_s: float) -> None:
         """Observe ``wall_s`` over the mean of the earlier decode steps of ``num_seqs`` sequences, once
         there are enough of them; then count it into that mean."""
-        so_far = self._decode_means.setdefault(num_seqs, [0.0, 0.0])
-        steps, seconds = so_far
+        steps, seconds = self._decode_means.get(num_seqs, (0, 0.0))
         if steps >= names.STEP_TIME_RATIO_WARMUP and seconds > 0:
             self._ratio.observe(wall_s * steps / seconds)
-        so_far[0] = steps + 1
-        so_far[1] = seconds + wall_s
+        self._decode_means[num_seqs] = (steps + 1, seconds + wall_s)

@@ -271,7 +271,7 @@ def simulate(
     # Single steps spread around the model's time (step_time.with_jitter), drawn from this run's own
     # random stream so that a candidate's result does not depend on what ran before it.
     jitter = step_time.jitter_factor if getattr(step_time, "jitter", ()) else None
-    rng = random.Random(seed)
+    rng = random.Random(seed) if jitter is not None else None
     engine = SimulatedEngine(settings)
     sched = engine.scheduler
     bm = sched.block_manager
@@ -320,7 +320,7 @@ def simulate(
             duration = step_time.step_seconds(out.num_batched_tokens, len(out.scheduled))
         if factor_at is not None:
             duration *= factor_at(now)
-        if jitter is not None:
+        if rng is not None:
             duration *= jitter(rng.random())
         if not duration > 0:
             raise SimulationError(f"the step-time model gave {duration!r} s for a step; it must be positive")

@@ -54,7 +54,7 @@ times as well would count them twice (and tie every candidate to the moments the
 were slow). It is not the default: the baseline is a batch size's mean, so where the decode steps of
 one batch size differ by shape (contexts of 300 and 800 tokens) the spread holds that shape too, which
 the model already prices; measured on the fidelity benchmark, it fixes a few-millisecond TTFT p99 and
-over-predicts the long-prompt ones by a third.
+over-predicts the shared-prefix workload's (300-800-token prompts) by a third.
 
 What the fit cannot capture: CUDA-graph batch-size buckets,
 swap and copy time, and anything the recording never exercised (shapes outside those seen extrapolate
