@@ -126,9 +126,10 @@ ENGINE_STEP_COUNTERS = (
     ENGINE_STEP_DECODE_CONTEXT_TOTAL,
     ENGINE_STEP_PREFILL_PAIRS_TOTAL,
 )
-# Ours: each decode step's wall time over the mean of the decode steps of its batch size before it
-# (once that size has ``STEP_TIME_RATIO_WARMUP`` steps): the spread of step time around its mean, which
-# the counters' sums smooth out (GIL turns, stalls), for the plan to draw step times from.
+# Ours: each decode step's wall time over the mean of the decode steps of its shape before it (its batch
+# size and context's quarter octave, once that shape has ``STEP_TIME_RATIO_WARMUP`` steps): the spread of
+# step time around its mean, which the counters' sums smooth out (GIL turns, stalls), for the plan to draw
+# step times from.
 ENGINE_STEP_TIME_RATIO = "kvpilot_engine_step_time_ratio"
 STEP_TIME_RATIO_WARMUP = 32
 STEP_TIME_RATIO_BUCKETS = (

@@ -8,13 +8,17 @@ sum over its steps, so a per-class mean needs no histogram and no bucket interpo
 up to the start-up ``max_num_seqs`` is exported at 0 from the start (run-time changes stay within it).
 
 Beside them, ``kvpilot_engine_step_time_ratio``: a histogram of each decode step's wall time over the
-mean wall time of the decode steps of the same batch size before it (from the
-``STEP_TIME_RATIO_WARMUP``-th on). The sums give a planner each class's mean; the ratio gives the spread
-around it -- the event loop's turns, a collector's pause -- which shorter steps feel as latency.
+mean wall time of the decode steps of the same shape before it -- the same batch size, and a context
+(KV positions read) within the same quarter octave -- from the ``STEP_TIME_RATIO_WARMUP``-th on. The
+sums give a planner each class's mean and its cost per context token; the ratio gives the spread around
+them -- the event loop's turns, a collector's pause -- which shorter steps feel as latency. Its baseline
+knows the context so that the spread does not hold what the planner's step-time model already prices:
+a batch size's steps over 300 and over 800 tokens of context differ by their shape, not by chance.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -48,13 +52,13 @@ class StepShapeCounters:
         self._engine_labels = engine_labels
         self._ratio = Histogram(
             names.ENGINE_STEP_TIME_RATIO,
-            "Decode step wall time over the mean of the earlier decode steps of its batch size.",
+            "Decode step wall time over the mean of the earlier decode steps of its batch size and context.",
             [names.LABEL_ENGINE, names.LABEL_MODEL_NAME],
             buckets=names.STEP_TIME_RATIO_BUCKETS,
             registry=registry,
         ).labels(*engine_labels)
-        # Decode steps by batch size: (steps, wall seconds) so far (the ratio's baseline).
-        self._decode_means: dict[int, tuple[int, float]] = {}
+        # Decode steps by (batch size, context class): (steps, wall seconds) so far (the ratio's baseline).
+        self._decode_means: dict[tuple[int, int], tuple[int, float]] = {}
         self._series: dict[tuple[str, str], tuple[Any, ...]] = {}
         for phase in names.PHASES:
             for batch in names.batch_classes(max_num_seqs):
@@ -85,12 +89,18 @@ class StepShapeCounters:
         if it.prefill_attention_pairs:
             pairs.inc(it.prefill_attention_pairs)
         if phase == names.PHASE_DECODE:
-            self._observe_ratio(it.num_running_seqs, wall_s)
+            self._observe_ratio((it.num_running_seqs, context_class(it.decode_context_tokens)), wall_s)
 
-    def _observe_ratio(self, num_seqs: int, wall_s: float) -> None:
-        """Observe ``wall_s`` over the mean of the earlier decode steps of ``num_seqs`` sequences, once
-        there are enough of them; then count it into that mean."""
-        steps, seconds = self._decode_means.get(num_seqs, (0, 0.0))
+    def _observe_ratio(self, shape: tuple[int, int], wall_s: float) -> None:
+        """Observe ``wall_s`` over the mean of the earlier decode steps of ``shape`` (batch size, context
+        class), once there are enough of them; then count it into that mean."""
+        steps, seconds = self._decode_means.get(shape, (0, 0.0))
         if steps >= names.STEP_TIME_RATIO_WARMUP and seconds > 0:
             self._ratio.observe(wall_s * steps / seconds)
-        self._decode_means[num_seqs] = (steps + 1, seconds + wall_s)
+        self._decode_means[shape] = (steps + 1, seconds + wall_s)
+
+
+def context_class(context_tokens: int) -> int:
+    """The quarter octave a decode step's context (KV positions its sequences read) falls in: steps
+    in one class differ by less than a factor of 2 ** (1/4), about 19 %. 0 for no context."""
+    return 1 + int(4 * math.log2(context_tokens)) if context_tokens > 0 else 0

@@ -33,6 +33,7 @@ from kvpilot.engine.server.errors import (
     refusal_reason,
 )
 from kvpilot.engine.server.serving import ServerState
+from kvpilot.engine.server.streaming import load_stream_backend
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -87,6 +88,7 @@ def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
+        await load_stream_backend()
         try:
             yield
         finally:

@@ -159,7 +159,7 @@ def test_attention_shape_of_decodes_and_chunks_at_several_positions() -> None:
     )
 
 
-def _step(num_seqs: int, wall_s: float, prefill: bool = False):
+def _step(num_seqs: int, wall_s: float, prefill: bool = False, context: int = 0):
     from kvpilot.engine.stats import IterationStats
 
     return IterationStats(
@@ -176,6 +176,7 @@ def _step(num_seqs: int, wall_s: float, prefill: bool = False):
         update_s=0.0,
         num_prefill_seqs=num_seqs if prefill else 0,
         wall_s=wall_s,
+        decode_context_tokens=0 if prefill else context,
     )
 
 
@@ -215,3 +216,31 @@ def test_the_step_time_ratio_is_each_decode_step_over_the_earlier_mean_of_its_ba
     # The 2 ms step joined its mean: (32 x 1 + 2) / 33 ms.
     counters.record(_step(1, 0.001))
     assert ratio_samples()[("_sum", None)] == pytest.approx(3.0 + 1.0 / (34 / 33))
+
+
+def test_the_step_time_ratio_baseline_knows_the_context() -> None:
+    """Decode steps of one batch size over 300 and over 800 context positions differ by their shape:
+    each is measured against the mean of its own context class, so a steady 1 ms at 300 and 2 ms at 800
+    observe 1.0 both (a batch-size mean would read 0.67 and 1.33: a spread the plan's step-time model
+    already prices through its cost per context token). A class spans a factor of 2 ** (1/4)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvpilot.engine.step_metrics import StepShapeCounters, context_class
+
+    assert context_class(310) == context_class(350) != context_class(300)  # [304, 362) is one class
+    assert context_class(300) != context_class(800)
+    assert context_class(0) == 0 < context_class(1)
+    registry = CollectorRegistry()
+    counters = StepShapeCounters(registry, ("0", "m"), 8)
+    for _ in range(names.STEP_TIME_RATIO_WARMUP + 10):
+        counters.record(_step(2, 0.001, context=300))
+        counters.record(_step(2, 0.002, context=800))
+    samples = {
+        (s.name.removeprefix(names.ENGINE_STEP_TIME_RATIO), s.labels.get("le")): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+        if s.name.startswith(names.ENGINE_STEP_TIME_RATIO)
+    }
+    assert samples[("_count", None)] == 20
+    assert samples[("_sum", None)] == pytest.approx(20.0)
+    assert samples[("_bucket", "0.95")] == 0 and samples[("_bucket", "1.0")] == 20

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -29,3 +31,41 @@ def test_other_text_goes_out_raw_as_utf8():
     event = sse_event({"text": "café ☕ 日本\u2028"})
     assert "café ☕ 日本" in event
     assert "\\u2028" in event and "\u2028" not in event
+
+
+def test_the_stream_backend_loads_at_start_up_not_on_the_first_stream():
+    """anyio imports its asyncio backend on the first task group, milliseconds of imports that would land
+    on the first streamed request's TTFT (the engine thread waits for the interpreter). The server's
+    lifespan loads it before it listens. A fresh interpreter, as the server's own: importing the app
+    does not load it, starting the app does."""
+    script = """
+import asyncio, sys
+from kvpilot.engine.server import app as server_app
+
+class Engine:
+    started = stopped = False
+    def start(self):
+        self.started = True
+    def shutdown(self):
+        self.stopped = True
+
+class State:
+    engine = Engine()
+    model_name = "m"
+
+backend = "anyio._backends._asyncio"
+assert backend not in sys.modules, "loaded by the import alone"
+app = server_app.build_app(State())
+
+async def main():
+    async with app.router.lifespan_context(app):
+        assert State.engine.started
+        assert backend in sys.modules, "not loaded at start-up"
+    assert State.engine.stopped
+
+asyncio.run(main())
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
