@@ -256,7 +256,7 @@ def simulate(
     the round trip, the server's parsing and tokenizing): a held-back arrival is sent no earlier than
     that after the request whose place it takes finished, so it lands inside the step then running and
     waits for it, as a real client's does. ``seed``: the draws of a step-time model that spreads
-    single steps (``jitter_factor``; a run with the same seed draws the same factors).
+    single steps (``jittered``; a run with the same seed draws the same factors).
     Raises SimulationError for an arrival the engine would refuse or a step time that is not positive.
     """
     ordered = sorted(arrivals, key=lambda a: a.time)
@@ -270,8 +270,8 @@ def simulate(
     factor_at = getattr(step_time, "factor_at", None)
     # Single steps spread around the model's time (step_time.with_jitter), drawn from this run's own
     # random stream so that a candidate's result does not depend on what ran before it.
-    jitter = step_time.jitter_factor if getattr(step_time, "jitter", ()) else None
-    rng = random.Random(seed) if jitter is not None else None
+    jittered = step_time.jittered if getattr(step_time, "jitter", ()) else None
+    rng = random.Random(seed) if jittered is not None else None
     engine = SimulatedEngine(settings)
     sched = engine.scheduler
     bm = sched.block_manager
@@ -321,7 +321,7 @@ def simulate(
         if factor_at is not None:
             duration *= factor_at(now)
         if rng is not None:
-            duration *= jitter(rng.random())
+            duration = jittered(duration, rng.random())
         if not duration > 0:
             raise SimulationError(f"the step-time model gave {duration!r} s for a step; it must be positive")
         now += duration

@@ -44,17 +44,18 @@ smooths out.
 **Spread around the mean** (``with_jitter``). The fit and the variation are means over many steps; a
 single step can take longer than its mean (the server's turn at the interpreter, a collector's pause)
 and a short TTFT feels that. kvpilot's engine exports each decode step's wall time over the mean of the
-earlier decode steps of its batch size (``kvpilot_engine_step_time_ratio``). Where the recording holds
-at least ``MIN_JITTER_STEPS`` of them, ``kvpilot plan --step-spread`` (``Workload.step_time(spread=True)``)
-has the simulator multiply every step's time by a factor drawn
-from that histogram (uniform within a bucket, the distribution's mean scaled to 1 so the fit's mean
-stays), and the replayed variation over time is left out: the ratio's baseline is the mean since the
-engine started, so the spread already holds the slow stretches, and replaying them at their recorded
-times as well would count them twice (and tie every candidate to the moments the settings in force
-were slow). It is not the default: the baseline is a batch size's mean, so where the decode steps of
-one batch size differ by shape (contexts of 300 and 800 tokens) the spread holds that shape too, which
-the model already prices; measured on the fidelity benchmark, it fixes a few-millisecond TTFT p99 and
-over-predicts the shared-prefix workload's (300-800-token prompts) by a third.
+earlier decode steps of its shape: its batch size and its context's quarter octave
+(``kvpilot_engine_step_time_ratio``). Where the recording holds at least ``MIN_JITTER_STEPS`` of them,
+``kvpilot plan --step-spread`` (``Workload.step_time(spread=True)``) has the simulator draw a factor
+for every step from that histogram (uniform within a bucket, the distribution's mean scaled to 1 so the
+fit's mean stays) and add its excess over 1 times the recorded mean decode step (``jitter_scale_s``;
+a step shorter than that, times its own time): a stall costs a 40 ms prefill step what it cost a
+decode step, not forty times as much. The replayed variation over time is left out: the ratio's
+baseline is the mean since the engine started, so the spread already holds the slow stretches, and
+replaying them at their recorded times as well would count them twice (and tie every candidate to the
+moments the settings in force were slow). It is not the default: measured on the fidelity benchmark,
+the replayed variation holds TTFT p99 within 25 % in as many settings and in more single runs, and
+the spread drawn on the very requests (a trace) in fewer.
 
 What the fit cannot capture: CUDA-graph batch-size buckets,
 swap and copy time, and anything the recording never exercised (shapes outside those seen extrapolate
@@ -151,6 +152,10 @@ class LinearStepTime:
     # (cumulative probability at its top, low, high) of the factor, scaled to a mean of 1; empty: none.
     jitter: tuple[tuple[float, float, float], ...] = ()
     jitter_steps: float = 0.0  # the decode steps the spread was measured on
+    # The mean decode step the spread was measured around (seconds; 0: the factor multiplies the whole
+    # step). A drawn factor f adds (f - 1) x min(step, jitter_scale_s) to a step: a stall or a turn of
+    # the server at the interpreter costs a long prefill step what it cost a decode step, not a multiple.
+    jitter_scale_s: float = 0.0
 
     def __post_init__(self) -> None:
         values = (self.a, self.b, self.c, self.d, self.e)
@@ -160,6 +165,8 @@ class LinearStepTime:
             raise StepTimeError("step-time variation segments need end > start and a factor > 0")
         if not all(0 < p <= 1 + 1e-9 and 0 <= low <= high for p, low, high in self.jitter):
             raise StepTimeError("step-time jitter buckets need a probability in (0, 1] and 0 <= low <= high")
+        if not (math.isfinite(self.jitter_scale_s) and self.jitter_scale_s >= 0):
+            raise StepTimeError(f"the jitter's scale must be finite and >= 0, got {self.jitter_scale_s!r}")
         # Where each segment starts, for factor_at's search (not a field: derived from variation).
         object.__setattr__(self, "_starts", [start for start, _, _ in self.variation])
         object.__setattr__(self, "_jitter_tops", [p for p, _, _ in self.jitter])
@@ -213,6 +220,14 @@ class LinearStepTime:
         share = (u - below) / (tops[i] - below) if tops[i] > below else 0.0
         return low + (high - low) * min(1.0, max(0.0, share))
 
+    def jittered(self, seconds: float, u: float) -> float:
+        """A step the model gives ``seconds``, spread by the factor at ``u`` (``jitter_factor``): the
+        factor's excess over 1 applies to at most ``jitter_scale_s`` of it (to all of it without a
+        scale)."""
+        excess = self.jitter_factor(u) - 1.0
+        scale = self.jitter_scale_s
+        return seconds + excess * (min(seconds, scale) if scale > 0 else seconds)
+
     def describe(self) -> str:
         parts = [f"{self.a * 1e3:.3f} ms", f"{self.b * 1e6:.3f} us/token", f"{self.c * 1e6:.3f} us/seq"]
         if self.d or "d" in self.terms:
@@ -229,9 +244,11 @@ class LinearStepTime:
 
     def _describe_jitter(self) -> str:
         p10, p90 = self.jitter_factor(0.1), self.jitter_factor(0.9)
+        scale = self.jitter_scale_s
         return (
             f"; each step x{p10:.2f}-x{p90:.2f} (10th-90th percentile, the spread of "
-            f"{self.jitter_steps:.0f} recorded decode steps)"
+            f"{self.jitter_steps:.0f} recorded decode steps"
+            + (f", of at most the {scale * 1e3:.3f} ms they took on average)" if scale > 0 else ")")
         )
 
     def _describe_variation(self) -> str:
@@ -380,13 +397,17 @@ def with_variation(
 
 
 def with_jitter(
-    model: LinearStepTime, ratios: Histogram, min_steps: float = MIN_JITTER_STEPS
+    model: LinearStepTime,
+    ratios: Histogram,
+    min_steps: float = MIN_JITTER_STEPS,
+    scale_s: float = 0.0,
 ) -> LinearStepTime:
     """``model`` with single steps spread as the recorded step-time ratios ``ratios`` (a histogram of
     a step's wall time over its mean; see the module doc), without replayed variation; ``model`` as it
     is when they hold fewer than ``min_steps`` observations. Each bucket's factors are uniform between
     its bounds (the lowest from half its bound; the ``+Inf`` bucket at the highest finite bound), and
-    all are scaled so that their mean is 1."""
+    all are scaled so that their mean is 1. ``scale_s``: the mean decode step the ratios were measured
+    on (``LinearStepTime.jitter_scale_s``; 0: the factors multiply whole steps)."""
     if ratios.count < min_steps:
         return model
     pieces = []
@@ -410,4 +431,6 @@ def with_jitter(
     for count, low, high in pieces:
         cumulative += count / total
         jitter.append((min(1.0, cumulative), low / mean, high / mean))
-    return dataclasses.replace(model, variation=(), jitter=tuple(jitter), jitter_steps=ratios.count)
+    return dataclasses.replace(
+        model, variation=(), jitter=tuple(jitter), jitter_steps=ratios.count, jitter_scale_s=scale_s
+    )

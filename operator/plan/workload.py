@@ -229,8 +229,18 @@ class Workload:
         model = fit_step_time(self.step_windows)
         ratios = self.step_time_ratio
         if spread and ratios is not None and ratios.count >= MIN_JITTER_STEPS:
-            return with_jitter(model, ratios)
+            return with_jitter(model, ratios, scale_s=self.decode_step_s)
         return with_variation(model, self.step_intervals)
+
+    @property
+    def decode_step_s(self) -> float:
+        """The recorded decode steps' mean wall time (the step counters' windows that fed one token per
+        sequence); 0 without any."""
+        decode = [
+            w for w in self.step_windows if w.shape_known and w.num_batched_tokens == w.num_sampled_tokens
+        ]
+        steps = sum(w.num_steps for w in decode)
+        return sum(w.seconds for w in decode) / steps if steps > 0 else 0.0
 
     @property
     def preemptions_per_s(self) -> float:

@@ -244,6 +244,25 @@ def test_jitter_draws_the_recorded_spread_with_the_fits_mean() -> None:
     assert tail.jitter_factor(0.99) == pytest.approx(50.0 / (0.9 * 0.975 + 0.1 * 50.0))
 
 
+def test_the_spread_adds_at_most_a_decode_steps_share_to_a_long_step() -> None:
+    """Measured on decode steps of 1 ms, a factor of 1.6 adds 0.6 ms: to a 0.5 ms step its own share (0.3
+    ms), to a 40 ms prefill step 0.6 ms, not 24 (a turn at the interpreter does not grow with the step).
+    A fast draw takes off as little. Without a scale the factor multiplies the whole step."""
+    model = LinearStepTime(0.001)
+    spread = with_jitter(model, _ratios({1.0: 500, 3.0: 500}), scale_s=0.001)
+    assert spread.jitter_scale_s == 0.001 and "at most the 1.000 ms" in spread.describe()
+    slow, fast = 0.99, 0.01
+    f_slow, f_fast = spread.jitter_factor(slow), spread.jitter_factor(fast)
+    assert f_slow > 1.5 and f_fast < 0.55
+    assert spread.jittered(0.040, slow) == pytest.approx(0.040 + (f_slow - 1) * 0.001)
+    assert spread.jittered(0.0005, slow) == pytest.approx(0.0005 * f_slow)
+    assert spread.jittered(0.040, fast) == pytest.approx(0.040 - (1 - f_fast) * 0.001)
+    whole = with_jitter(model, _ratios({1.0: 500, 3.0: 500}))
+    assert whole.jitter_scale_s == 0.0 and whole.jittered(0.040, slow) == pytest.approx(0.040 * f_slow)
+    with pytest.raises(StepTimeError):
+        LinearStepTime(0.001, jitter_scale_s=-1.0)
+
+
 def test_too_few_ratios_leave_the_model_as_it_is() -> None:
     model = LinearStepTime(0.001, variation=((0.0, 10.0, 1.5),))
     few = _ratios({1.0: MIN_JITTER_STEPS - 1})

@@ -309,8 +309,11 @@ def test_the_recorded_spread_of_single_steps_replaces_the_replayed_variation(tmp
     assert workload.step_time_ratio is not None and workload.step_time_ratio.count == 60 * (seconds - 1)
     assert workload.step_time().jitter == ()  # the replayed variation unless the spread is asked for
     step_time = workload.step_time(spread=True)
+    # The decode steps' mean, the scale of the spread: 10 ms (the prefill steps' 40 ms left out).
+    assert workload.decode_step_s == pytest.approx(0.01)
     if workload.step_time_ratio.count >= MIN_JITTER_STEPS:
         assert step_time.variation == () and step_time.jitter_steps == 60 * (seconds - 1)
+        assert step_time.jitter_scale_s == pytest.approx(0.01)
         draws = [step_time.jitter_factor((i + 0.5) / 1000) for i in range(1000)]
         assert sum(draws) / 1000 == pytest.approx(1.0, abs=1e-3)
         assert sum(f > 1.5 for f in draws) == 100  # the slow tenth
