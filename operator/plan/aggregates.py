@@ -5,7 +5,7 @@ paced its clients, their peak concurrency and their turnaround."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvpilot.engine import metrics_names as m
 from kvpilot.operator.plan.recording import Interval, PlanScrape
@@ -15,6 +15,20 @@ SATURATED_FRACTION = 0.9  # of the scrapes with a queue (or near the peak): the 
 # A pod "near its peak" holds at least this share of the most requests it ever held: a closed-loop
 # client between two of its requests (the answer read, the next one not yet in) is not in flight.
 NEAR_PEAK = 0.75
+
+
+def _peaks(scrapes: Iterable[PlanScrape]) -> dict[str, float]:
+    """The most requests each pod held in flight at any of ``scrapes`` that report it."""
+    peaks: dict[str, float] = {}
+    for scrape in scrapes:
+        if scrape.in_flight is not None:
+            peaks[scrape.pod] = max(peaks.get(scrape.pod, 0.0), scrape.in_flight)
+    return peaks
+
+
+def _near_peak(in_flight: float | None, peak: float) -> bool:
+    """Whether a pod holding ``in_flight`` requests is near its ``peak`` (``NEAR_PEAK``)."""
+    return peak >= 1 and in_flight is not None and in_flight >= math.ceil(NEAR_PEAK * peak)
 
 
 def prefix_hit_rate(intervals: Sequence[Interval]) -> float | None:
@@ -59,20 +73,14 @@ def client_turnaround(intervals: Sequence[Interval]) -> float:
     so ``peak * seconds / finished`` (a cycle) less the mean ``vllm:e2e_request_latency_seconds`` of
     those requests is the turnaround (Little's law). 0 without such stretches or latencies, and
     never negative (a pod whose peak was briefly exceeded by backlog reads as turning round at once)."""
-    peaks: dict[str, float] = {}
-    for interval in intervals:
-        for scrape in (interval.before, interval.after):
-            if scrape.in_flight is not None:
-                peaks[interval.pod] = max(peaks.get(interval.pod, 0.0), scrape.in_flight)
+    peaks = _peaks(s for interval in intervals for s in (interval.before, interval.after))
     client_seconds = finished = latency_sum = latency_count = 0.0
     for interval in intervals:
         peak = peaks.get(interval.pod, 0.0)
         ends = (interval.before.in_flight, interval.after.in_flight)
         e2e = interval.histograms.get(m.E2E_REQUEST_LATENCY_SECONDS)
         done = interval.counters.get(m.REQUEST_SUCCESS_TOTAL, 0.0)
-        if peak < 1 or e2e is None or e2e.count <= 0 or done <= 0:
-            continue
-        if any(n is None or n < math.ceil(NEAR_PEAK * peak) for n in ends):
+        if e2e is None or e2e.count <= 0 or done <= 0 or not all(_near_peak(n, peak) for n in ends):
             continue
         client_seconds += peak * interval.seconds
         finished += done
@@ -93,20 +101,14 @@ def saturated(scrapes: Sequence[PlanScrape]) -> bool:
     if not busy:
         return False
     counted = counted[busy[0] : busy[-1] + 1]
-    peaks: dict[str, float] = {}
-    for scrape in counted:
-        peaks[scrape.pod] = max(peaks.get(scrape.pod, 0.0), scrape.in_flight or 0.0)
+    peaks = _peaks(counted)
     queued = sum(s.gauges[m.NUM_REQUESTS_WAITING] >= 1 for s in counted)
-    near_peak = sum(
-        peaks[s.pod] >= 1 and (s.in_flight or 0.0) >= math.ceil(NEAR_PEAK * peaks[s.pod]) for s in counted
-    )
+    near_peak = sum(_near_peak(s.in_flight, peaks[s.pod]) for s in counted)
     return max(queued, near_peak) >= SATURATED_FRACTION * len(counted)
 
 
 def peak_in_flight(scrapes: Sequence[PlanScrape]) -> int | None:
-    peaks: dict[str, float] = {}
-    for scrape in scrapes:
-        if scrape.in_flight is not None:
-            peaks[scrape.pod] = max(peaks.get(scrape.pod, 0.0), scrape.in_flight)
+    """The clients' concurrency: the sum over pods of the most requests each held in flight."""
+    peaks = _peaks(scrapes)
     total = round(sum(peaks.values()))
     return total if peaks and total > 0 else None
