@@ -477,6 +477,8 @@ def predict(
         "num_requests": workload.num_requests,
         "peak_in_flight": workload.peak_in_flight,
         "closed_loop": ctx.closed_loop,
+        "client_turnaround_s": ctx.client_turnaround_s,
+        "handling": ctx.handling.describe() if ctx.handling is not None else None,
         "notes": list(ctx.notes),
         "current": ctx.current.as_dict(),
     }

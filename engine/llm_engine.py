@@ -231,6 +231,8 @@ class LLMEngine(ShutdownOnExit):
             new.seqs[0].arrival_time,
             stream,
         )
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_arrival(new.seqs[0].arrival_time)
 
     def add_beam_search_request(
         self, request_id: str, prompt: str | list[int], params: BeamSearchParams

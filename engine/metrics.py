@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpilot.engine import metrics_names as names
 from kvpilot.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLoggerBase
-from kvpilot.engine.step_metrics import StepShapeCounters
+from kvpilot.engine.step_metrics import ArrivalGaps, StepShapeCounters
 
 GiB = 1 << 30
 
@@ -217,6 +217,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self.step_shape = StepShapeCounters(
             registry, (engine, model_name), int(model_config.get("max_num_seqs") or 1)
         )
+        self.arrival_gaps = ArrivalGaps(registry, (engine, model_name))
 
         self._cache_config = dict(cache_config)
         self._cache_info = info(
@@ -376,6 +377,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self._seen_prefix_hits = self._advance(
             self.prefix_hits, self._seen_prefix_hits, sched.prefix_cache_hits
         )
+
+    def record_arrival(self, arrival_time: float) -> None:
+        self.arrival_gaps.record(arrival_time)
 
     def record_aborted(self, num_seqs: int) -> None:
         """Count ``num_seqs`` sequences aborted from outside the engine (client gone)."""

@@ -136,6 +136,14 @@ STEP_TIME_RATIO_BUCKETS = (
     0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.75,
     2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 50.0,
 )  # fmt: skip
+# Ours: the seconds between a request's arrival (its stamp, once the server has parsed and tokenized it)
+# and the arrival before it. Where requests come in a burst, the server takes them in one at a time and
+# the short gaps are its time on each, which the plan's simulation spaces a burst's requests by.
+ENGINE_ARRIVAL_GAP_SECONDS = "kvpilot_engine_arrival_gap_seconds"
+ARRIVAL_GAP_BUCKETS = (
+    0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003,
+    0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 LABEL_PHASE = "phase"
 LABEL_NUM_SEQS = "num_seqs"
 PHASE_DECODE = "decode"
@@ -240,6 +248,7 @@ HISTOGRAMS = (
     REQUEST_PARAMS_MAX_TOKENS,
     ITERATION_TOKENS_TOTAL,
     ENGINE_STEP_TIME_RATIO,
+    ENGINE_ARRIVAL_GAP_SECONDS,
 )
 INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO, CONFIG_INFO, KV_POOL_INFO)
 ALL_METRICS = GAUGES + COUNTERS + HISTOGRAMS + INFO

@@ -136,7 +136,8 @@ class StatLoggerBase(ABC):
     ``record`` is called after every step with what it did, and between steps (``iteration_stats``
     None) when adds or aborts changed the scheduler's state. ``record_aborted`` counts sequences aborted
     from outside the engine (a client gone), ``record_errored`` those the engine failed, and
-    ``record_live_config`` sees the run-time settings change; each does nothing unless a logger
+    ``record_live_config`` sees the run-time settings change and ``record_arrival`` each request
+    queued; each does nothing unless a logger
     reports it.
     """
 
@@ -151,6 +152,9 @@ class StatLoggerBase(ABC):
 
     def record_live_config(self, live: LiveConfig) -> None:  # noqa: B027  (optional hook)
         pass
+
+    def record_arrival(self, arrival_time: float) -> None:  # noqa: B027  (optional hook)
+        """A request was queued; ``arrival_time`` is its arrival stamp (``time.monotonic()``)."""
 
 
 class StepCallback(StatLoggerBase):

@@ -14,6 +14,10 @@ sums give a planner each class's mean and its cost per context token; the ratio 
 them -- the event loop's turns, a collector's pause -- which shorter steps feel as latency. Its baseline
 knows the context so that the spread does not hold what the planner's step-time model already prices:
 a batch size's steps over 300 and over 800 tokens of context differ by their shape, not by chance.
+
+And ``kvpilot_engine_arrival_gap_seconds`` (``ArrivalGaps``): the time between two requests' arrivals.
+A burst's requests reach the engine one server turn apart, so its short gaps are the server's time on
+each request, which a planner spaces a simulated burst by.
 """
 
 from __future__ import annotations
@@ -104,3 +108,25 @@ def context_class(context_tokens: int) -> int:
     """The quarter octave a decode step's context (KV positions its sequences read) falls in: steps
     in one class differ by less than a factor of 2 ** (1/4), about 19 %. 0 for no context."""
     return 1 + int(4 * math.log2(context_tokens)) if context_tokens > 0 else 0
+
+
+class ArrivalGaps:
+    """``kvpilot_engine_arrival_gap_seconds``: each request's arrival stamp less the latest one before
+    it (0 for a stamp no later than it: the prompts of one call share theirs). The first request has
+    no gap."""
+
+    def __init__(self, registry: CollectorRegistry, engine_labels: tuple[str, str]) -> None:
+        self._hist = Histogram(
+            names.ENGINE_ARRIVAL_GAP_SECONDS,
+            "Seconds between a request's arrival and the arrival before it.",
+            [names.LABEL_ENGINE, names.LABEL_MODEL_NAME],
+            buckets=names.ARRIVAL_GAP_BUCKETS,
+            registry=registry,
+        ).labels(*engine_labels)
+        self._last: float | None = None
+
+    def record(self, arrival_time: float) -> None:
+        last = self._last
+        if last is not None:
+            self._hist.observe(max(0.0, arrival_time - last))
+        self._last = arrival_time if last is None else max(last, arrival_time)

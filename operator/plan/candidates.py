@@ -38,6 +38,7 @@ from typing import Any
 
 from kvpilot.operator.api.settings import Settings
 from kvpilot.operator.api.spec import ENGINE_KEYS
+from kvpilot.operator.plan.handling import HandlingTime
 from kvpilot.operator.plan.simulate import (
     Arrival,
     EngineSettings,
@@ -114,6 +115,9 @@ class PlanContext:
     # With closed_loop: a client's time from a request's end to its next request reaching the engine
     # (workload.client_turnaround_s).
     client_turnaround_s: float = 0.0
+    # The server's time on each request before it reaches the engine, one request at a time on the
+    # engine's interpreter (handling.handling_time_of; None: none, a burst reaches the engine at once).
+    handling: HandlingTime | None = None
     # spec.remediation.slo.ttftP99Seconds: a candidate predicted above it is not picked (None: no SLO).
     ttft_slo_s: float | None = None
     # Added to every simulated TTFT: the part of the engine's measured TTFT the scheduler's clock does
@@ -159,6 +163,10 @@ def context_of(settings: Settings, workload: Workload, open_loop: bool = False) 
         )
     rem = settings.remediation
     closed_loop = not open_loop and workload.peak_in_flight is not None and workload.saturated
+    # A trace replayed at its recorded times already holds the server's spacing of a burst.
+    handling = None if workload.trace is not None and not closed_loop else workload.handling_time
+    # The turnaround Little's law gives holds the server's handling, which the simulation adds itself.
+    turnaround = workload.client_turnaround_s - (handling.mean_s if handling is not None else 0.0)
     return PlanContext(
         current=Candidate(fraction, int(value("maxNumSeqs")), int(batched), int(effective.replicas)),
         block_size=pool.block_size,
@@ -174,7 +182,8 @@ def context_of(settings: Settings, workload: Workload, open_loop: bool = False) 
         notes=tuple(notes),
         client_concurrency=None if open_loop else workload.peak_in_flight,
         closed_loop=closed_loop,
-        client_turnaround_s=workload.client_turnaround_s if closed_loop else 0.0,
+        client_turnaround_s=max(0.0, turnaround) if closed_loop else 0.0,
+        handling=handling,
         ttft_slo_s=rem.ttft_p99_slo_s,
     )
 
@@ -304,6 +313,7 @@ def evaluate(
             max_sim_s=2 * max(workload.duration_s, 1.0),
             max_in_flight=cap,
             client_turnaround_s=ctx.client_turnaround_s,
+            handling=ctx.handling.draw if ctx.handling is not None else None,
             seed=draw,
         )
 

@@ -208,6 +208,9 @@ def plan_document(
             "client_concurrency": ctx.client_concurrency,
             "closed_loop": ctx.closed_loop,
             "client_turnaround_s": ctx.client_turnaround_s,
+            # The server's time on each request (handling.HandlingTime; null: none modelled).
+            "handling_mean_s": ctx.handling.mean_s if ctx.handling is not None else None,
+            "handling_samples": ctx.handling.samples if ctx.handling is not None else 0,
             "ttft_p99_slo_s": ctx.ttft_slo_s,
             "ttft_overhead_s": ctx.ttft_overhead_s,
             "notes": list(ctx.notes),
@@ -265,6 +268,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print(
             f"clients: at most {ctx.client_concurrency} request(s) in flight (the recording's peak){replay}"
         )
+    if ctx.handling is not None:
+        print(f"server: one request at a time, {ctx.handling.describe()}")
     for note in ctx.notes:
         print(f"note: {note}")
     print(format_table(results, ctx.current, chosen))

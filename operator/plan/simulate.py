@@ -23,11 +23,14 @@ one (the recording's slow stretches, ``step_time.with_variation``; the arrivals'
 recording's), times a factor drawn for the step where the model spreads single steps
 (``step_time.with_jitter``); its sampled tokens are stamped with that end time.
 Arrivals up to the start of a step are queued before it; with nothing to run the clock jumps to the
-next arrival.
+next arrival. Where the server's turns are modelled (``handling``), a request reaches the engine a
+turn after it is sent, behind the server's earlier turns, and takes another turn once admitted (its
+response starting); a step ends later by the server's time that falls within it (one interpreter).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -225,12 +228,96 @@ class SimulatedEngine:
         return bool(self.scheduler.requests)
 
 
-def _sent_at(arrival: Arrival, clients_free_at: list[float] | None) -> float:
-    """When ``arrival`` reaches the engine: its time, or when a client is next free (never while every
-    client has a request in the engine)."""
-    if clients_free_at is None:
-        return arrival.time
-    return max(arrival.time, clients_free_at[0]) if clients_free_at else math.inf
+class _Ingest:
+    """The way in: each arrival is sent (at its time, or once a client is free) and then handled by the
+    server before it reaches the engine, which stamps its arrival there; once the engine admits it, the
+    server takes another turn to start its response (``respond``). The server does one thing at a time,
+    on the interpreter the engine's steps also run on, so a step that overlaps the server's turns ends
+    that much later (``step_end``). ``handling``: one turn's time at a quantile drawn from ``rng``
+    (None: no turns; a request reaches the engine when it is sent)."""
+
+    def __init__(
+        self,
+        ordered: list[Arrival],
+        max_in_flight: int | None,
+        handling: Callable[[float], float] | None,
+        rng: random.Random,
+    ) -> None:
+        self.ordered = ordered
+        # When each client can send again (max_in_flight of them; a min-heap): at once at first, then
+        # a turnaround after its request finished.
+        self.clients_free_at = [-math.inf] * max_in_flight if max_in_flight is not None else None
+        self.handling = handling
+        self.rng = rng
+        self.next_index = 0  # the next arrival to send
+        self.free_at = -math.inf  # when the server is done with what it has taken in
+        self.handled: collections.deque[tuple[float, int]] = collections.deque()  # (stamp, index)
+
+    def _draw(self) -> float:
+        assert self.handling is not None
+        seconds = self.handling(self.rng.random())
+        if not seconds >= 0.0:
+            raise SimulationError(f"a request's handling time must be >= 0, got {seconds!r}")
+        return seconds
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.handled) or self.next_index < len(self.ordered)
+
+    def next_sent(self) -> float:
+        """When the next arrival is sent: its time, or when a client is next free (never while every
+        client has a request in the engine)."""
+        if self.next_index >= len(self.ordered):
+            return math.inf
+        time = self.ordered[self.next_index].time
+        free = self.clients_free_at
+        if free is None:
+            return time
+        return max(time, free[0]) if free else math.inf
+
+    def take(self) -> float:
+        """Send the next arrival and queue its handling; returns the handling's seconds."""
+        sent = self.next_sent()
+        if self.clients_free_at is not None:
+            heapq.heappop(self.clients_free_at)
+        begin = max(sent, self.free_at)
+        seconds = self._draw() if self.handling is not None else 0.0
+        self.free_at = begin + seconds
+        self.handled.append((self.free_at, self.next_index))
+        self.next_index += 1
+        return seconds
+
+    def take_until(self, now: float) -> None:
+        while self.next_sent() <= now:
+            self.take()
+
+    def first_stamp(self) -> float:
+        """When the next request reaches the engine (sending the next arrival if none is handled)."""
+        if not self.handled:
+            self.take()
+        return self.handled[0][0]
+
+    def reached(self, now: float) -> Iterable[tuple[float, int]]:
+        while self.handled and self.handled[0][0] <= now:
+            yield self.handled.popleft()
+
+    def respond(self, now: float) -> None:
+        """The engine admitted a request at ``now``: the server starts its response, a turn of its own
+        after what it is already doing."""
+        if self.handling is not None:
+            self.free_at = max(self.free_at, now) + self._draw()
+
+    def step_end(self, now: float, engine_s: float) -> float:
+        """When a step that starts at ``now`` and needs ``engine_s`` of the interpreter ends: after the
+        handling already under way, and after that of every arrival sent before it ends."""
+        end = now + engine_s + max(0.0, self.free_at - now)
+        while self.next_sent() < end:
+            end += self.take()
+        return end
+
+    def finished(self, client_free_at: float) -> None:
+        if self.clients_free_at is not None:
+            heapq.heappush(self.clients_free_at, client_free_at)
 
 
 def simulate(
@@ -242,6 +329,7 @@ def simulate(
     on_step: Callable[[StepTrace], None] | None = None,
     max_in_flight: int | None = None,
     client_turnaround_s: float = 0.0,
+    handling: Callable[[float], float] | None = None,
     seed: int = 0,
 ) -> SimResult:
     """Run ``arrivals`` (sorted by time here) through one simulated engine replica.
@@ -255,16 +343,21 @@ def simulate(
     takes from a request's last token to its next request reaching the engine (reading the answer,
     the round trip, the server's parsing and tokenizing): a held-back arrival is sent no earlier than
     that after the request whose place it takes finished, so it lands inside the step then running and
-    waits for it, as a real client's does. ``seed``: the draws of a step-time model that spreads
-    single steps (``jittered``; a run with the same seed draws the same factors).
+    waits for it, as a real client's does. ``handling``: the server's turn on a request, at a quantile
+    (``handling.HandlingTime.draw``): one before the request reaches the engine (parsing, tokenizing)
+    and one once the engine has admitted it (starting its response). The server takes one turn at a
+    time and shares the interpreter with the engine's steps (``_Ingest``), so a burst of requests
+    reaches the engine spread out, the step then running waits for the server to take all of them in,
+    and the step that admits them waits for their responses to start (None: no turns; every request
+    reaches the engine when sent). ``seed``: the draws of a step-time
+    model that spreads single steps (``jittered``; a run with the same seed draws the same factors).
     Raises SimulationError for an arrival the engine would refuse or a step time that is not positive.
     """
     ordered = sorted(arrivals, key=lambda a: a.time)
     if not client_turnaround_s >= 0.0:
         raise SimulationError(f"client_turnaround_s must be >= 0, got {client_turnaround_s!r}")
-    # When each client can send again (max_in_flight of them; a min-heap): at once at first, then a
-    # turnaround after its request finished.
-    clients_free_at = [-math.inf] * max_in_flight if max_in_flight is not None else None
+    # The handling times come from a stream of their own, apart from the step spread's.
+    ingest = _Ingest(ordered, max_in_flight, handling, random.Random(f"handling-{seed}"))
     # The attention totals of each step, only for a model that prices them (one pass per step).
     shaped = getattr(step_time, "uses_attention_shape", True)
     factor_at = getattr(step_time, "factor_at", None)
@@ -283,23 +376,20 @@ def simulate(
     num_output_tokens = num_finished = num_steps = 0
     start = ordered[0].time if ordered else 0.0
     now = start
-    index = 0
     truncated = False
-    while index < len(ordered) or engine.has_unfinished:
+    while ingest.pending or engine.has_unfinished:
         if max_sim_s is not None and now - start >= max_sim_s:
-            truncated = engine.has_unfinished or index < len(ordered)
+            truncated = True
             break
         if not engine.has_unfinished:
-            now = max(now, _sent_at(ordered[index], clients_free_at))  # idle: jump to the next arrival
-        # A held-back arrival is sent when a client is free (its request finished and turned round).
-        while index < len(ordered) and (sent := _sent_at(ordered[index], clients_free_at)) <= now:
-            if clients_free_at is not None:
-                heapq.heappop(clients_free_at)
+            now = max(now, ingest.first_stamp())  # idle: jump to the next request's arrival
+        ingest.take_until(now)
+        for stamp, index in ingest.reached(now):
             arrival = ordered[index]
             req_id = f"r{index}"
             engine.add_request(req_id, prompt_tokens(index, arrival), arrival.output_len)
-            arrived_at[req_id] = sent
-            index += 1
+            arrived_at[req_id] = stamp
+            ingest.respond(now)
         out, sampled = engine.step()
         if on_step is not None and (out.scheduled or out.preempted_req_ids):
             on_step(StepTrace.of(out))
@@ -324,7 +414,7 @@ def simulate(
             duration = jittered(duration, rng.random())
         if not duration > 0:
             raise SimulationError(f"the step-time model gave {duration!r} s for a step; it must be positive")
-        now += duration
+        now = ingest.step_end(now, duration)
         for req_id in sampled:
             previous = last_token_at.get(req_id)
             if previous is None:
@@ -335,8 +425,7 @@ def simulate(
             if req_id not in sched.requests:  # finished by this step
                 num_finished += 1
                 del last_token_at[req_id], arrived_at[req_id]
-                if clients_free_at is not None:
-                    heapq.heappush(clients_free_at, now + client_turnaround_s)
+                ingest.finished(now + client_turnaround_s)
         num_output_tokens += len(sampled)
         samples.append(
             Sample(

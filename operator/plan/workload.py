@@ -66,6 +66,7 @@ from kvpilot.operator.plan.aggregates import (
     saturated,
     summed,
 )
+from kvpilot.operator.plan.handling import HandlingTime, handling_time_of
 from kvpilot.operator.plan.lengths import LengthDistribution, bucket_spreads
 from kvpilot.operator.plan.recording import Interval, PlanScrape, RecordingError, intervals_of
 from kvpilot.operator.plan.simulate import Arrival
@@ -216,6 +217,9 @@ class Workload:
     # kvpilot_engine_step_time_ratio over the recording (None: not exported): the spread of single
     # decode steps around their mean, which ``step_time(spread=True)`` draws from (with_jitter).
     step_time_ratio: Histogram | None = None
+    # kvpilot_engine_arrival_gap_seconds over the recording (None: not exported): the short ones are
+    # the server's time on each request of a burst (``handling_time``).
+    arrival_gaps: Histogram | None = None
 
     @property
     def step_windows(self) -> tuple[StepWindow, ...]:
@@ -231,6 +235,11 @@ class Workload:
         if spread and ratios is not None and ratios.count >= MIN_JITTER_STEPS:
             return with_jitter(model, ratios, scale_s=self.decode_step_s)
         return with_variation(model, self.step_intervals)
+
+    @property
+    def handling_time(self) -> HandlingTime | None:
+        """The server's time on one request, from the arrival gaps within a mean decode step."""
+        return handling_time_of(self.arrival_gaps, self.decode_step_s)
 
     @property
     def decode_step_s(self) -> float:
@@ -435,4 +444,5 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         prefix_hit_rate=prefix_hit_rate(intervals) if pool.enable_prefix_caching else None,
         client_turnaround_s=client_turnaround(intervals) if paced else 0.0,
         step_time_ratio=summed(intervals, m.ENGINE_STEP_TIME_RATIO),
+        arrival_gaps=summed(intervals, m.ENGINE_ARRIVAL_GAP_SECONDS),
     )

@@ -244,3 +244,31 @@ def test_the_step_time_ratio_baseline_knows_the_context() -> None:
     assert samples[("_count", None)] == 20
     assert samples[("_sum", None)] == pytest.approx(20.0)
     assert samples[("_bucket", "0.95")] == 0 and samples[("_bucket", "1.0")] == 20
+
+
+def test_arrival_gaps_of_the_requests_an_engine_queued(tiny_llama) -> None:
+    """Requests queued with arrival stamps 0, 0.3 ms, 0.3 ms (a second prompt of the same call), then
+    0.2 s and one stamped before it (a request the server stamped earlier but queued later): the gaps
+    are 0.3 ms, 0, 0.1997 s and 0 -- each from the latest stamp before it, never negative."""
+    from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine.metrics import PrometheusStatLogger
+
+    engine = LLM(str(tiny_llama), block_size=8, num_gpu_blocks_override=64, max_model_len=128).llm_engine
+    logger = PrometheusStatLogger.from_engine(engine, "m")
+    engine.stat_loggers.append(logger)
+    base = time.monotonic()
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for i, offset in enumerate((0.0, 0.0003, 0.0003, 0.2, 0.1)):
+        engine.add_request(f"r{i}", [5, 6, 7], params, arrival_time=base + offset)
+    while engine.has_unfinished_requests():
+        engine.step()
+    samples = {
+        (s.name.removeprefix(names.ENGINE_ARRIVAL_GAP_SECONDS), s.labels.get("le")): s.value
+        for family in text_string_to_metric_families(generate_latest(logger.registry).decode())
+        for s in family.samples
+        if s.name.startswith(names.ENGINE_ARRIVAL_GAP_SECONDS)
+    }
+    assert samples[("_count", None)] == 4
+    assert samples[("_sum", None)] == pytest.approx(0.2, abs=1e-6)
+    assert samples[("_bucket", "5e-05")] == 2  # the two zeros
+    assert samples[("_bucket", "0.0003")] == 3 and samples[("_bucket", "0.25")] == 4

@@ -594,3 +594,57 @@ def test_hits_a_recompute_explains_add_no_shared_prefix(tmp_path) -> None:
     assert abs(in_force.result.prefix_hit_rate - more.prefix_hit_rate) < abs(
         baseline.prefix_hit_rate - more.prefix_hit_rate
     )
+
+
+def _with_arrival_gaps(body: str, k: int) -> str:
+    """``body`` plus kvpilot's arrival gaps after ``k`` seconds: each second three gaps of 0.2-0.3 ms
+    and one of 0.4-0.5 ms (a burst's requests, one server turn apart), and one of 0.1-0.25 s."""
+    per_s = {0.0003: 3, 0.0005: 1, 0.25: 1}
+    lines, cumulative = [], 0.0
+    for le in (*m.ARRIVAL_GAP_BUCKETS, float("inf")):
+        cumulative += per_s.get(le, 0) * k
+        bound = "+Inf" if le == float("inf") else str(le)
+        lines.append(
+            f'{m.ENGINE_ARRIVAL_GAP_SECONDS}_bucket{{engine="0",le="{bound}",model_name="m"}} {cumulative}'
+        )
+    lines.append(f'{m.ENGINE_ARRIVAL_GAP_SECONDS}_sum{{engine="0",model_name="m"}} {0.2012 * k}')
+    lines.append(f'{m.ENGINE_ARRIVAL_GAP_SECONDS}_count{{engine="0",model_name="m"}} {5 * k}')
+    return body + "\n".join(lines) + "\n"
+
+
+def test_the_servers_turn_on_a_request_comes_from_the_short_arrival_gaps(tmp_path) -> None:
+    """Of five gaps a second, the four within the mean decode step (10 ms) are a burst's: the server's
+    time on a request is drawn from them, 0.3 ms on average. The turnaround Little's law gives (0.1 s)
+    holds that time, which the simulation adds itself, so the clients' own is 0.1 s less 0.3 ms."""
+    from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.plan.candidates import context_of
+
+    bodies = [
+        (
+            1000.0 + k,
+            "pod-a",
+            _with_arrival_gaps(_with_step_counters(_scrape(k, in_flight=8, waiting=6, e2e_s=1.5), k), k),
+        )
+        for k in range(21)
+    ]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert workload.arrival_gaps is not None and workload.arrival_gaps.count == 100
+    assert workload.decode_step_s == pytest.approx(0.01)
+    handling = workload.handling_time
+    assert handling is not None and handling.samples == 80
+    assert handling.mean_s == pytest.approx(0.0003)
+    assert handling.pieces == ((0.75, 0.0002, 0.0003), (1.0, 0.0004, 0.0005))
+    doc = {
+        "apiVersion": "serving.kvpilot.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
+        "spec": {"model": {"source": "pvc://models/llm"}, "engine": {"maxModelLen": 512}},
+    }
+    ctx = context_of(resolve(doc), workload)
+    assert ctx.closed_loop and ctx.handling == handling
+    assert ctx.client_turnaround_s == pytest.approx(0.1 - 0.0003)
+    # Without the histogram (vLLM, an older kvpilot): no handling, the whole turnaround the clients'.
+    plain = [(1000.0 + k, "pod-a", _scrape(k, in_flight=8, waiting=6, e2e_s=1.5)) for k in range(21)]
+    old = workload_from_scrapes(read_recording(_write(tmp_path, plain, "plain.jsonl")))
+    assert old.handling_time is None
+    assert context_of(resolve(doc), old).client_turnaround_s == pytest.approx(0.1)
