@@ -163,8 +163,7 @@ def context_of(settings: Settings, workload: Workload, open_loop: bool = False) 
         )
     rem = settings.remediation
     closed_loop = not open_loop and workload.peak_in_flight is not None and workload.saturated
-    # A trace replayed at its recorded times already holds the server's spacing of a burst.
-    handling = None if workload.trace is not None and not closed_loop else workload.handling_time
+    handling = workload.handling_time
     # The turnaround Little's law gives holds the server's handling, which the simulation adds itself.
     turnaround = workload.client_turnaround_s - (handling.mean_s if handling is not None else 0.0)
     return PlanContext(

@@ -25,9 +25,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections.abc import Sequence
 
+from kvpilot.operator.plan.step_time import LinearStepTime, StepWindow
 from kvpilot.operator.remediation.metrics import Histogram
 
+# The most of the recorded steps' time the server's turns are taken to have held.
+MAX_TURN_SHARE = 0.5
 # Fewer short gaps than this say too little about the server's turn to draw from.
 MIN_HANDLING_SAMPLES = 3
 
@@ -88,3 +92,19 @@ def handling_time_of(
         running += count
         out.append((min(1.0, running / total), low, high))
     return HandlingTime(tuple(out), total)
+
+
+def without_turns(
+    model: LinearStepTime, turn: HandlingTime | None, num_requests: int, windows: Sequence[StepWindow]
+) -> LinearStepTime:
+    """``model`` less the server's turns: the recorded steps' wall time holds the turns that fell within
+    them, and the simulation adds each turn where it falls, so the coefficients are scaled by one less
+    the share of the steps' time that two turns a recorded request make up (at most
+    ``MAX_TURN_SHARE``). ``model`` itself without a turn or without step time."""
+    seconds = sum(w.seconds for w in windows)
+    if turn is None or not seconds > 0:
+        return model
+    keep = 1.0 - min(MAX_TURN_SHARE, 2 * turn.mean_s * num_requests / seconds)
+    return dataclasses.replace(
+        model, a=model.a * keep, b=model.b * keep, c=model.c * keep, d=model.d * keep, e=model.e * keep
+    )

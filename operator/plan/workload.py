@@ -66,7 +66,7 @@ from kvpilot.operator.plan.aggregates import (
     saturated,
     summed,
 )
-from kvpilot.operator.plan.handling import HandlingTime, handling_time_of
+from kvpilot.operator.plan.handling import HandlingTime, handling_time_of, without_turns
 from kvpilot.operator.plan.lengths import LengthDistribution, bucket_spreads
 from kvpilot.operator.plan.recording import Interval, PlanScrape, RecordingError, intervals_of
 from kvpilot.operator.plan.simulate import Arrival
@@ -227,18 +227,20 @@ class Workload:
         return tuple(w for _, _, windows in self.step_intervals for w in windows)
 
     def step_time(self, spread: bool = False) -> LinearStepTime:
-        """The step-time model fitted on the recorded steps, with their variation over time, or with
-        ``spread`` the recorded spread of single steps where the recording holds enough of it (see
-        ``step_time``). Raises StepTimeError when no window holds a step."""
+        """The step-time model fitted on the recorded steps, with their variation over time (``spread``:
+        the recorded spread of single steps where there is enough of it; see ``step_time``), less the
+        server's turns the simulation adds itself (``without_turns``). Raises StepTimeError (no step)."""
         model = fit_step_time(self.step_windows)
         ratios = self.step_time_ratio
         if spread and ratios is not None and ratios.count >= MIN_JITTER_STEPS:
-            return with_jitter(model, ratios, scale_s=self.decode_step_s)
-        return with_variation(model, self.step_intervals)
+            model = with_jitter(model, ratios, scale_s=self.decode_step_s)
+        else:
+            model = with_variation(model, self.step_intervals)
+        return without_turns(model, self.handling_time, self.num_requests, self.step_windows)
 
     @property
     def handling_time(self) -> HandlingTime | None:
-        """The server's time on one request, from the arrival gaps within a mean decode step."""
+        """The server's turn on a request, from the arrival gaps within a mean decode step."""
         return handling_time_of(self.arrival_gaps, self.decode_step_s)
 
     @property

@@ -114,3 +114,22 @@ def test_handling_time_from_the_gaps_within_a_decode_step() -> None:
     assert handling_time_of(_gaps((0.01, 5), (math.inf, 50)), within_s=0.001) is None
     assert handling_time_of(None, within_s=0.001) is None
     assert handling_time_of(gaps, within_s=0.0) is None
+
+
+def test_the_fit_leaves_out_the_turns_the_simulation_adds() -> None:
+    """100 requests over 1.2 s of recorded steps, a 0.3 ms turn each way: 60 ms of the steps' time was
+    the server's, so every coefficient keeps 95 % and the replayed variation stays as it was. The
+    share is capped at half; without a turn the model is the fit's."""
+    from kvpilot.operator.plan.handling import MAX_TURN_SHARE, without_turns
+    from kvpilot.operator.plan.step_time import LinearStepTime, StepWindow
+
+    model = LinearStepTime(a=0.001, c=0.0001, e=1e-8, terms=("a", "c", "e"), variation=((0.0, 10.0, 1.2),))
+    windows = [StepWindow(num_steps=600, num_batched_tokens=1800, num_sampled_tokens=1800, seconds=0.6)] * 2
+    turn = HandlingTime(((1.0, 0.0003, 0.0003),), samples=50)
+    kept = without_turns(model, turn, 100, windows)
+    assert kept.a == pytest.approx(0.00095) and kept.c == pytest.approx(0.000095)
+    assert kept.e == pytest.approx(0.95e-8) and kept.b == kept.d == 0.0
+    assert kept.variation == model.variation and kept.terms == model.terms
+    assert without_turns(model, turn, 100_000, windows).a == pytest.approx(0.001 * (1 - MAX_TURN_SHARE))
+    assert without_turns(model, None, 100, windows) is model
+    assert without_turns(model, turn, 100, []) is model

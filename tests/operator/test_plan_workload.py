@@ -634,6 +634,13 @@ def test_the_servers_turn_on_a_request_comes_from_the_short_arrival_gaps(tmp_pat
     assert handling is not None and handling.samples == 80
     assert handling.mean_s == pytest.approx(0.0003)
     assert handling.pieces == ((0.75, 0.0002, 0.0003), (1.0, 0.0004, 0.0005))
+    # The steps' 0.8 s a second hold two turns of every request; the step time leaves them out.
+    seconds = sum(w.seconds for w in workload.step_windows)
+    assert seconds == pytest.approx(16.0)
+    keep = 1 - 2 * 0.0003 * workload.num_requests / seconds
+    fitted = fit_step_time(workload.step_windows)
+    assert workload.step_time().a == pytest.approx(fitted.a * keep)
+    assert workload.step_time().c == pytest.approx(fitted.c * keep) and keep < 0.999
     doc = {
         "apiVersion": "serving.kvpilot.io/v1alpha1",
         "kind": "InferenceService",
