@@ -41,6 +41,17 @@ _DOCS = {
 }
 
 
+def engine_histogram(
+    registry: CollectorRegistry, engine_labels: tuple[str, str], name: str, doc: str, buckets
+) -> Any:
+    """A histogram of one engine in ``registry``, with vLLM's ``{engine, model_name}`` labels set to
+    ``engine_labels``."""
+    family = Histogram(
+        name, doc, [names.LABEL_ENGINE, names.LABEL_MODEL_NAME], buckets=buckets, registry=registry
+    )
+    return family.labels(*engine_labels)
+
+
 class StepShapeCounters:
     """The step counters of one engine in ``registry``; ``engine_labels``: the values of vLLM's
     ``{engine, model_name}`` labels, which every series carries before ``phase`` and ``num_seqs``."""
@@ -54,13 +65,13 @@ class StepShapeCounters:
             for name in names.ENGINE_STEP_COUNTERS
         ]
         self._engine_labels = engine_labels
-        self._ratio = Histogram(
+        self._ratio = engine_histogram(
+            registry,
+            engine_labels,
             names.ENGINE_STEP_TIME_RATIO,
             "Decode step wall time over the mean of the earlier decode steps of its batch size and context.",
-            [names.LABEL_ENGINE, names.LABEL_MODEL_NAME],
-            buckets=names.STEP_TIME_RATIO_BUCKETS,
-            registry=registry,
-        ).labels(*engine_labels)
+            names.STEP_TIME_RATIO_BUCKETS,
+        )
         # Decode steps by (batch size, context class): (steps, wall seconds) so far (the ratio's baseline).
         self._decode_means: dict[tuple[int, int], tuple[int, float]] = {}
         self._series: dict[tuple[str, str], tuple[Any, ...]] = {}
@@ -116,13 +127,13 @@ class ArrivalGaps:
     no gap."""
 
     def __init__(self, registry: CollectorRegistry, engine_labels: tuple[str, str]) -> None:
-        self._hist = Histogram(
+        self._hist = engine_histogram(
+            registry,
+            engine_labels,
             names.ENGINE_ARRIVAL_GAP_SECONDS,
             "Seconds between a request's arrival and the arrival before it.",
-            [names.LABEL_ENGINE, names.LABEL_MODEL_NAME],
-            buckets=names.ARRIVAL_GAP_BUCKETS,
-            registry=registry,
-        ).labels(*engine_labels)
+            names.ARRIVAL_GAP_BUCKETS,
+        )
         self._last: float | None = None
 
     def record(self, arrival_time: float) -> None:

@@ -8,6 +8,10 @@ import math
 from collections.abc import Sequence
 
 
+class SimulationError(ValueError):
+    """The settings or the arrivals cannot be simulated; the message says why."""
+
+
 @dataclasses.dataclass(slots=True)
 class Sample:
     """The engine's gauges at the end of one step (simulated seconds from the start), and the

@@ -30,10 +30,7 @@ response starting); a step ends later by the server's time that falls within it 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import heapq
-import math
 import random
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -44,7 +41,8 @@ from kvpilot.engine.request import Request
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import SchedulerConfig, SchedulerOutput
-from kvpilot.operator.plan.sim_result import Sample, SimResult, mean, quantile
+from kvpilot.operator.plan.ingest import Ingest
+from kvpilot.operator.plan.sim_result import Sample, SimResult, SimulationError, mean, quantile
 
 __all__ = [
     "Arrival",
@@ -65,10 +63,6 @@ _OWN_TOKEN_BASE = 1_000_000
 _GROUP_TOKEN_BASE = 1
 _FILLER_TOKEN = 7
 _SAMPLED_TOKEN = 3
-
-
-class SimulationError(ValueError):
-    """The settings or the arrivals cannot be simulated; the message says why."""
 
 
 class StepTime(Protocol):
@@ -228,98 +222,6 @@ class SimulatedEngine:
         return bool(self.scheduler.requests)
 
 
-class _Ingest:
-    """The way in: each arrival is sent (at its time, or once a client is free) and then handled by the
-    server before it reaches the engine, which stamps its arrival there; once the engine admits it, the
-    server takes another turn to start its response (``respond``). The server does one thing at a time,
-    on the interpreter the engine's steps also run on, so a step that overlaps the server's turns ends
-    that much later (``step_end``). ``handling``: one turn's time at a quantile drawn from ``rng``
-    (None: no turns; a request reaches the engine when it is sent)."""
-
-    def __init__(
-        self,
-        ordered: list[Arrival],
-        max_in_flight: int | None,
-        handling: Callable[[float], float] | None,
-        rng: random.Random,
-    ) -> None:
-        self.ordered = ordered
-        # When each client can send again (max_in_flight of them; a min-heap): at once at first, then
-        # a turnaround after its request finished.
-        self.clients_free_at = [-math.inf] * max_in_flight if max_in_flight is not None else None
-        self.handling = handling
-        self.rng = rng
-        self.next_index = 0  # the next arrival to send
-        self.free_at = -math.inf  # when the server is done with what it has taken in
-        self.handled: collections.deque[tuple[float, int]] = collections.deque()  # (stamp, index)
-
-    def _draw(self) -> float:
-        assert self.handling is not None
-        seconds = self.handling(self.rng.random())
-        if not seconds >= 0.0:
-            raise SimulationError(f"a request's handling time must be >= 0, got {seconds!r}")
-        return seconds
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.handled) or self.next_index < len(self.ordered)
-
-    def next_sent(self) -> float:
-        """When the next arrival is sent: its time, or when a client is next free (never while every
-        client has a request in the engine)."""
-        if self.next_index >= len(self.ordered):
-            return math.inf
-        time = self.ordered[self.next_index].time
-        free = self.clients_free_at
-        if free is None:
-            return time
-        return max(time, free[0]) if free else math.inf
-
-    def take(self) -> float:
-        """Send the next arrival and queue its handling; returns the handling's seconds."""
-        sent = self.next_sent()
-        if self.clients_free_at is not None:
-            heapq.heappop(self.clients_free_at)
-        begin = max(sent, self.free_at)
-        seconds = self._draw() if self.handling is not None else 0.0
-        self.free_at = begin + seconds
-        self.handled.append((self.free_at, self.next_index))
-        self.next_index += 1
-        return seconds
-
-    def take_until(self, now: float) -> None:
-        while self.next_sent() <= now:
-            self.take()
-
-    def first_stamp(self) -> float:
-        """When the next request reaches the engine (sending the next arrival if none is handled)."""
-        if not self.handled:
-            self.take()
-        return self.handled[0][0]
-
-    def reached(self, now: float) -> Iterable[tuple[float, int]]:
-        while self.handled and self.handled[0][0] <= now:
-            yield self.handled.popleft()
-
-    def respond(self, now: float) -> None:
-        """The engine admitted a request at ``now``: the server starts its response, a turn of its own
-        after what it is already doing."""
-        if self.handling is not None:
-            self.free_at = max(self.free_at, now) + self._draw()
-
-    def step_end(self, now: float, engine_s: float) -> float:
-        """When a step that starts at ``now`` and needs ``engine_s`` of the interpreter ends: after the
-        handling already under way, and after that of every arrival sent before it ends."""
-        end = now + engine_s + max(0.0, self.free_at - now)
-        while self.next_sent() < end:
-            end += self.take()
-        return end
-
-    def finished(self, client_free_at: float) -> None:
-        if self.clients_free_at is not None:
-            heapq.heappush(self.clients_free_at, client_free_at)
-
-
 def simulate(
     settings: EngineSettings,
     arrivals: Iterable[Arrival],
@@ -346,7 +248,7 @@ def simulate(
     waits for it, as a real client's does. ``handling``: the server's turn on a request, at a quantile
     (``handling.HandlingTime.draw``): one before the request reaches the engine (parsing, tokenizing)
     and one once the engine has admitted it (starting its response). The server takes one turn at a
-    time and shares the interpreter with the engine's steps (``_Ingest``), so a burst of requests
+    time and shares the interpreter with the engine's steps (``ingest.Ingest``), so a burst of requests
     reaches the engine spread out, the step then running waits for the server to take all of them in,
     and the step that admits them waits for their responses to start (None: no turns; every request
     reaches the engine when sent). ``seed``: the draws of a step-time
@@ -357,7 +259,7 @@ def simulate(
     if not client_turnaround_s >= 0.0:
         raise SimulationError(f"client_turnaround_s must be >= 0, got {client_turnaround_s!r}")
     # The handling times come from a stream of their own, apart from the step spread's.
-    ingest = _Ingest(ordered, max_in_flight, handling, random.Random(f"handling-{seed}"))
+    ingest = Ingest([a.time for a in ordered], max_in_flight, handling, random.Random(f"handling-{seed}"))
     # The attention totals of each step, only for a model that prices them (one pass per step).
     shaped = getattr(step_time, "uses_attention_shape", True)
     factor_at = getattr(step_time, "factor_at", None)

@@ -1,0 +1,105 @@
+"""The way requests reach a simulated engine (torch-free): when each is sent -- at its time, or once
+one of a closed loop's clients is free -- and the server's turns on it before and after the engine
+admits it (``simulate(handling=...)``, ``handling.HandlingTime``)."""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+
+from kvpilot.operator.plan.sim_result import SimulationError
+
+
+class Ingest:
+    """The way in: each arrival is sent (at its time, or once a client is free) and then handled by the
+    server before it reaches the engine, which stamps its arrival there; once the engine admits it, the
+    server takes another turn to start its response (``respond``). The server does one thing at a time,
+    on the interpreter the engine's steps also run on, so a step that overlaps the server's turns ends
+    that much later (``step_end``). ``handling``: one turn's time at a quantile drawn from ``rng``
+    (None: no turns; a request reaches the engine when it is sent)."""
+
+    def __init__(
+        self,
+        times: Sequence[float],
+        max_in_flight: int | None,
+        handling: Callable[[float], float] | None,
+        rng: random.Random,
+    ) -> None:
+        self.times = times
+        # When each client can send again (max_in_flight of them; a min-heap): at once at first, then
+        # a turnaround after its request finished.
+        self.clients_free_at = [-math.inf] * max_in_flight if max_in_flight is not None else None
+        self.handling = handling
+        self.rng = rng
+        self.next_index = 0  # the next arrival to send
+        self.free_at = -math.inf  # when the server is done with what it has taken in
+        self.handled: collections.deque[tuple[float, int]] = collections.deque()  # (stamp, index)
+
+    def _draw(self) -> float:
+        assert self.handling is not None
+        seconds = self.handling(self.rng.random())
+        if not seconds >= 0.0:
+            raise SimulationError(f"a request's handling time must be >= 0, got {seconds!r}")
+        return seconds
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.handled) or self.next_index < len(self.times)
+
+    def next_sent(self) -> float:
+        """When the next arrival is sent: its time, or when a client is next free (never while every
+        client has a request in the engine)."""
+        if self.next_index >= len(self.times):
+            return math.inf
+        time = self.times[self.next_index]
+        free = self.clients_free_at
+        if free is None:
+            return time
+        return max(time, free[0]) if free else math.inf
+
+    def take(self) -> float:
+        """Send the next arrival and queue its handling; returns the handling's seconds."""
+        sent = self.next_sent()
+        if self.clients_free_at is not None:
+            heapq.heappop(self.clients_free_at)
+        begin = max(sent, self.free_at)
+        seconds = self._draw() if self.handling is not None else 0.0
+        self.free_at = begin + seconds
+        self.handled.append((self.free_at, self.next_index))
+        self.next_index += 1
+        return seconds
+
+    def take_until(self, now: float) -> None:
+        while self.next_sent() <= now:
+            self.take()
+
+    def first_stamp(self) -> float:
+        """When the next request reaches the engine (sending the next arrival if none is handled)."""
+        if not self.handled:
+            self.take()
+        return self.handled[0][0]
+
+    def reached(self, now: float) -> Iterable[tuple[float, int]]:
+        while self.handled and self.handled[0][0] <= now:
+            yield self.handled.popleft()
+
+    def respond(self, now: float) -> None:
+        """The engine admitted a request at ``now``: the server starts its response, a turn of its own
+        after what it is already doing."""
+        if self.handling is not None:
+            self.free_at = max(self.free_at, now) + self._draw()
+
+    def step_end(self, now: float, engine_s: float) -> float:
+        """When a step that starts at ``now`` and needs ``engine_s`` of the interpreter ends: after the
+        handling already under way, and after that of every arrival sent before it ends."""
+        end = now + engine_s + max(0.0, self.free_at - now)
+        while self.next_sent() < end:
+            end += self.take()
+        return end
+
+    def finished(self, client_free_at: float) -> None:
+        if self.clients_free_at is not None:
+            heapq.heappush(self.clients_free_at, client_free_at)
