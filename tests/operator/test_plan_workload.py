@@ -82,6 +82,16 @@ def _scrape(
     return "\n".join(lines) + "\n"
 
 
+def _isvc(engine: dict) -> dict:
+    """An InferenceService manifest with ``engine`` as its spec.engine."""
+    return {
+        "apiVersion": "serving.kvpilot.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
+        "spec": {"model": {"source": "pvc://models/llm"}, "engine": engine},
+    }
+
+
 def _write(tmp_path: Path, bodies: list[tuple[float, str, str]], name: str = "rec.jsonl") -> Path:
     path = tmp_path / name
     text = "".join(
@@ -209,12 +219,7 @@ def test_closed_loop_clients_turn_round_in_what_littles_law_leaves(tmp_path, wai
     workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
     assert workload.saturated is bool(waiting) and workload.peak_in_flight == 8
     assert workload.client_turnaround_s == pytest.approx(turnaround_s)
-    doc = {
-        "apiVersion": "serving.kvpilot.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
-        "spec": {"model": {"source": "pvc://models/llm"}, "engine": {"maxModelLen": 512}},
-    }
+    doc = _isvc({"maxModelLen": 512})
     ctx = context_of(resolve(doc), workload)
     assert ctx.closed_loop is bool(waiting)
     assert ctx.client_turnaround_s == pytest.approx(turnaround_s)
@@ -641,12 +646,7 @@ def test_the_servers_turn_on_a_request_comes_from_the_short_arrival_gaps(tmp_pat
     fitted = fit_step_time(workload.step_windows)
     assert workload.step_time().a == pytest.approx(fitted.a * keep)
     assert workload.step_time().c == pytest.approx(fitted.c * keep) and keep < 0.999
-    doc = {
-        "apiVersion": "serving.kvpilot.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "llm", "namespace": "llm", "generation": 1},
-        "spec": {"model": {"source": "pvc://models/llm"}, "engine": {"maxModelLen": 512}},
-    }
+    doc = _isvc({"maxModelLen": 512})
     ctx = context_of(resolve(doc), workload)
     assert ctx.closed_loop and ctx.handling == handling
     assert ctx.client_turnaround_s == pytest.approx(0.1 - 0.0003)
