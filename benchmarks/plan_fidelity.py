@@ -3,8 +3,8 @@
 For each workload a real ``kvpilot serve`` (CPU, a tiny random-weight checkpoint, one intra-op
 thread) runs under the settings in force and two other settings, each for a fixed time under a client
 load, its ``/metrics`` scraped every second into a recording (the lines ``kvpilot operator --record``
-writes). Only the recording of the settings in force is given to the plan; it rebuilds the workload
-and the step-time model from it and simulates every setting. Per setting the table gives predicted
+writes). Only the recordings of the settings in force are given to the plan; it rebuilds the
+workload and the step-time model from them and simulates every setting. Per setting the table gives predicted
 and measured preemptions/s, output tok/s (over the span from the first request sent to the last
 answered), TTFT p99 and the storm call (the preemption rate over some ``window`` above
 ``preemptionRate``, as ``spec.remediation`` says), with the error of each. Goals: throughput within
@@ -25,11 +25,17 @@ Each workload's settings in force run twice. The second run is given to nothing:
 same prediction against another measurement, and the two measured TTFT p99s show how far apart two
 runs of one setting land on this box. With ``--repeat N`` every setting runs N times instead, round
 by round (a slow stretch of the box falls on one run of several settings, not on every run of one);
-the goals are checked on the median of each setting's runs, and each run's figures are printed
-beside the prediction with the goals checked against one run at a time. The ``TRACE`` column is
-the TTFT p99 error of the plan given the first run's request trace as well (``kvpilot plan
---trace``): the clients draw the same arrivals and lengths in every run, so the trace holds the very
-requests each setting served, where the recording alone gives their distributions.
+the goals are checked on the median of each setting's runs, TTFT p99 on that of every request of
+its runs together (some 1,100 for an open-loop workload, where the median of three runs' own p99s,
+also printed, rests on three samples of the fourth slowest of 370), and each run's figures are
+printed beside the prediction with the goals checked against one run at a time. The plan is given the
+recordings of every run of the settings in force, laid end to end as one longer recording
+(``kvpilot plan --recording A --recording B ...``): three stretches of the node's speed rather than
+one, and three times the requests behind each predicted quantile (``--plan-from first``: the first
+run's alone, as before). The ``TRACE`` column is the TTFT p99 error of the plan given those runs'
+request traces as well (``kvpilot plan --trace``): the clients draw the same arrivals and lengths in
+every run, so a trace holds the very requests each setting served, where the recording alone gives
+their distributions.
 
 Workloads:
 
@@ -98,7 +104,7 @@ from kvpilot.operator.api.spec import engine_snake_args
 from kvpilot.operator.demo.prepare import start_process, stop_process, wait_for_line
 from kvpilot.operator.plan.calibrate import calibrate
 from kvpilot.operator.plan.candidates import Candidate, context_of, evaluate
-from kvpilot.operator.plan.recording import read_recording
+from kvpilot.operator.plan.recording import read_recording, read_recordings
 from kvpilot.operator.plan.trace import with_trace
 from kvpilot.operator.plan.workload import workload_from_scrapes
 
@@ -436,23 +442,26 @@ def binned_quantile(values: tuple[float, ...], bounds: list[float], q: float) ->
 
 # --step-spread: the step-time model draws single steps from the recorded spread (Workload.step_time).
 STEP_SPREAD = False
+# The recordings of the settings in force given to the plan: "all" their runs', or the "first" one's.
+PLAN_FROM = "all"
 
 
 def predict(
     doc: dict,
-    recording: Path,
+    recordings: list[Path],
     candidates: list[Candidate],
     open_loop: bool,
     ttft_bounds: list[float],
-    trace: Path | None = None,
+    traces: list[Path] | None = None,
 ) -> tuple[list, dict]:
-    """The plan's simulation of each candidate on the workload of ``recording`` (with its requests
-    from ``trace`` when given, as ``kvpilot plan --trace``); TTFT p99 also binned into the engine's
-    TTFT buckets (``ttft_bounds``)."""
-    scrapes = read_recording(recording, doc)
+    """The plan's simulation of each candidate on the workload of ``recordings`` (laid end to end, as
+    ``kvpilot plan`` given each with ``--recording``; with their requests from ``traces`` when given,
+    as ``kvpilot plan --trace``); TTFT p99 also binned into the engine's TTFT buckets
+    (``ttft_bounds``)."""
+    scrapes = read_recordings(recordings, doc)
     workload = workload_from_scrapes(scrapes)
-    if trace is not None:
-        workload = with_trace(workload, scrapes, [str(trace)])
+    if traces:
+        workload = with_trace(workload, scrapes, [str(t) for t in traces])
     step_time = workload.step_time(spread=STEP_SPREAD)
     ctx, _ = calibrate(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
     out = []
@@ -475,6 +484,7 @@ def predict(
     about = {
         "step_time": step_time.describe(),
         "num_requests": workload.num_requests,
+        "recordings": [str(r) for r in recordings],
         "peak_in_flight": workload.peak_in_flight,
         "closed_loop": ctx.closed_loop,
         "client_turnaround_s": ctx.client_turnaround_s,
@@ -497,13 +507,17 @@ def compare(pred: dict, meas: dict) -> dict:
         "ttft_p99_hist_s": rel(pred["ttft_p99_hist_s"], meas["ttft_p99_hist_s"]),
         "ttft_p99_engine_s": rel(pred["ttft_p99_s"], meas["ttft_p99_engine_s"]),
         "ttft_p99_trace_s": rel(pred["ttft_p99_trace_s"], meas["ttft_p99_engine_s"]),
+        "ttft_p99_engine_median_s": rel(pred["ttft_p99_s"], meas.get("ttft_p99_engine_median_s", math.nan)),
         "storm_right": pred["storm"] == meas["storm"],
     }
 
 
 def median_of(runs: list[dict]) -> dict:
     """One setting's measurement over repeated runs: the median of each figure (the storm call by
-    majority), the first run's pool, and every run's own figures under ``runs``."""
+    majority), the first run's pool, and every run's own figures under ``runs``. The engine's TTFT
+    p99 is that of every request of the runs together (``ttft_p99_engine_median_s``: the median of
+    the runs' own p99s): the p99 of some 1,100 requests where one run has some 370, as the plan,
+    given the recordings of the three runs of the settings in force, predicts it over theirs."""
     out = dict(runs[0])
     for key, value in runs[0].items():
         if isinstance(value, bool):
@@ -511,6 +525,10 @@ def median_of(runs: list[dict]) -> dict:
         elif isinstance(value, float):
             values = [r[key] for r in runs if math.isfinite(r[key])]
             out[key] = statistics.median(values) if values else math.nan
+    out.pop("engine_ttfts_s", None)
+    if all(r.get("engine_ttfts_s") for r in runs):
+        out["ttft_p99_engine_median_s"] = out["ttft_p99_engine_s"]
+        out["ttft_p99_engine_s"] = quantile([x for r in runs for x in r["engine_ttfts_s"]], 0.99)
     out["runs"] = runs
     return out
 
@@ -558,6 +576,7 @@ def run_case(
             if entry.get("ttft_s") is not None
         ]
         measured["ttft_p99_engine_s"] = quantile(engine_ttfts, 0.99)
+        measured["engine_ttfts_s"] = [round(x, 7) for x in engine_ttfts]
         measured["num_requests"] = len(trips)
         measured_runs[index].append(measured)
         if rep == 0:
@@ -576,8 +595,8 @@ def run_case(
 
 def planned_rows(case: Case, runs: list[dict], workdir: Path) -> list[dict]:
     """The plan's predictions for ``runs`` (each a setting's label, engine, first recording and
-    measured figures; the settings in force first) from the settings in force's first recording, with
-    and without its request trace, set beside what the runs measured."""
+    measured figures; the settings in force first) from the settings in force's recordings
+    (``in_force_runs``), with and without their request traces, set beside what the runs measured."""
     doc = isvc_of(case, runs[0]["engine"])
     candidates = [
         Candidate(
@@ -590,12 +609,11 @@ def planned_rows(case: Case, runs: list[dict], workdir: Path) -> list[dict]:
     ]
     open_loop = case.load.kind == "open"
     bounds = ttft_bounds_of(runs[0]["recording"])
-    predicted, about = predict(doc, runs[0]["recording"], candidates, open_loop, bounds)
-    # The same with the first run's request trace (kvpilot plan --trace): the clients draw the same
-    # arrivals and lengths in every run, so the trace holds the very requests each setting served.
-    traced, _ = predict(
-        doc, runs[0]["recording"], candidates, open_loop, bounds, workdir / f"{case.name}-0.trace.jsonl"
-    )
+    recordings, traces = in_force_runs(case, workdir)
+    predicted, about = predict(doc, recordings, candidates, open_loop, bounds)
+    # The same with those runs' request traces (kvpilot plan --trace): the clients draw the same
+    # arrivals and lengths in every run, so a trace holds the very requests each setting served.
+    traced, _ = predict(doc, recordings, candidates, open_loop, bounds, traces)
     rows = []
     for r, pred, pred_traced in zip(runs, predicted, traced, strict=True):
         pred["ttft_p99_trace_s"] = pred_traced["ttft_p99_s"]
@@ -613,6 +631,22 @@ def planned_rows(case: Case, runs: list[dict], workdir: Path) -> list[dict]:
             }
         )
     return rows
+
+
+def in_force_runs(case: Case, workdir: Path) -> tuple[list[Path], list[Path]]:
+    """The recordings and request traces the plan is given: every kept run of the settings in force
+    (``PLAN_FROM`` "all", its rounds in order), or the first one alone ("first")."""
+    recordings, traces = [], []
+    for rep in itertools.count():
+        stem = f"{case.name}-0" + (f".{rep}" if rep else "")
+        recording, trace = workdir / f"{stem}.jsonl", workdir / f"{stem}.trace.jsonl"
+        if not recording.is_file() or not trace.is_file() or (rep and PLAN_FROM == "first"):
+            break
+        recordings.append(recording)
+        traces.append(trace)
+    if not recordings:
+        raise SystemExit(f"{case.name}: no recording and trace of the settings in force in {workdir}")
+    return recordings, traces
 
 
 def ttft_bounds_of(recording: Path) -> list[float]:
@@ -698,13 +732,17 @@ def print_runs(rows: list[dict]) -> None:
         runs = row["measured"]["runs"]
         ttfts = [r["ttft_p99_engine_s"] for r in runs]
         tputs = [r["output_tokens_per_s"] for r in runs]
-        med_ttft, med_tput = row["measured"]["ttft_p99_engine_s"], row["measured"]["output_tokens_per_s"]
+        measured = row["measured"]
+        med_ttft = measured.get("ttft_p99_engine_median_s", measured["ttft_p99_engine_s"])
+        med_tput = measured["output_tokens_per_s"]
         spread_ttft = max(abs(rel(x, med_ttft)) for x in ttfts)
         spread_tput = max(abs(rel(x, med_tput)) for x in tputs)
         print(
             f"  {row['workload']:8} {row['setting'][:24]:24} TTFT p99 "
             f"{' '.join(_ms1(x) for x in ttfts)} / {_ms1(row['predicted']['ttft_p99_s'])} "
-            f"(runs within {spread_ttft:.0%} of their median); tok/s {' '.join(f'{x:.0f}' for x in tputs)} / "
+            f"(runs within {spread_ttft:.0%} of their median {_ms1(med_ttft)}, error "
+            f"{_pct(row['error'].get('ttft_p99_engine_median_s', math.nan))}; all their requests "
+            f"{_ms1(measured['ttft_p99_engine_s'])}); tok/s {' '.join(f'{x:.0f}' for x in tputs)} / "
             f"{row['predicted']['output_tokens_per_s']:.0f} (within {spread_tput:.0%})"
         )
         for error in row["error_runs"]:
@@ -746,7 +784,8 @@ def replanned_rows(case: Case, report: dict, workdir: Path) -> list[dict]:
     missing = [str(r["recording"]) for r in runs if not r["recording"].is_file()]
     if missing or not (workdir / f"{case.name}-0.trace.jsonl").is_file():
         raise SystemExit(f"--replan: {case.name}: the kept recordings or trace are missing in {workdir}")
-    print(f"{case.name}: planned again from {runs[0]['recording']}", flush=True)
+    recordings, _ = in_force_runs(case, workdir)
+    print(f"{case.name}: planned again from {', '.join(map(str, recordings))}", flush=True)
     return planned_rows(case, runs, workdir)
 
 
@@ -775,14 +814,21 @@ def main(argv: list[str] | None = None) -> int:
         "and traces it kept in --keep, with the plan's code as it is now",
     )
     parser.add_argument(
+        "--plan-from",
+        choices=("all", "first"),
+        default="all",
+        help="the recordings of the settings in force the plan is given: every run's, laid end to end "
+        "(default), or the first run's alone",
+    )
+    parser.add_argument(
         "--step-spread",
         action="store_true",
         help="plan as `kvpilot plan --step-spread`: every step drawn from the recorded spread of single "
         "steps instead of the recording's slow stretches replayed",
     )
     args = parser.parse_args(argv)
-    global STEP_SPREAD
-    STEP_SPREAD = args.step_spread
+    global STEP_SPREAD, PLAN_FROM
+    STEP_SPREAD, PLAN_FROM = args.step_spread, args.plan_from
     if args.replan is not None and args.keep is None:
         parser.error("--replan needs --keep: the directory the earlier run kept its recordings in")
     from kvpilot.kernels import isa
@@ -819,6 +865,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     tput = [abs(r["error"]["output_tokens_per_s"]) <= GOALS["output_tokens_per_s"] for r in rows]
     ttft = [abs(goal_ttft_error(r)) <= GOALS["ttft_p99_s"] for r in rows]
+    medians = [r["error"].get("ttft_p99_engine_median_s", math.nan) for r in rows]
+    ttft_median = [abs(x) <= GOALS["ttft_p99_s"] for x in medians if math.isfinite(x)]
     hist = [abs(r["error"]["ttft_p99_hist_s"]) <= GOALS["ttft_p99_s"] for r in rows]
     client = [r for r in rows if math.isfinite(r["error"]["ttft_p99_s"])]
     ttft_client = [abs(r["error"]["ttft_p99_s"]) <= GOALS["ttft_p99_s"] for r in client]
@@ -828,7 +876,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"within goals: throughput +-15% {sum(tput)}/{len(rows)}, TTFT p99 +-25% {sum(ttft)}/{len(rows)} "
         f"(the engine's own TTFTs; read from its histogram {sum(hist)}/{len(rows)}, client-measured "
-        f"{sum(ttft_client)}/{len(client)}; planned with the trace {sum(ttft_traced)}/{len(traced)}), "
+        f"{sum(ttft_client)}/{len(client)}; planned with the trace {sum(ttft_traced)}/{len(traced)}; "
+        f"against the median of the runs' own p99s {sum(ttft_median)}/{len(ttft_median)}), "
         f"storm call {sum(storms)}/{len(rows)}; {time.time() - started:.0f}s"
     )
     for name in dict.fromkeys(r["workload"] for r in rows):
@@ -855,6 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": earlier["duration_s"] if earlier is not None else duration,
         "repeat": earlier["repeat"] if earlier is not None else args.repeat,
         **({"replanned_from": str(args.replan)} if earlier is not None else {}),
+        "plan_from": args.plan_from,
         "threshold": {"preemption_rate": THRESHOLD, "window_s": WINDOW_S},
         "goals": GOALS,
         "rows": rows,

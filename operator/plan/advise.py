@@ -158,10 +158,10 @@ def _served_tokens_per_s(scrapes: Sequence[PlanScrape]) -> float | None:
     intervals = [i for i in intervals_of(scrapes) if m.GENERATION_TOKENS_TOTAL in i.counters]
     if not intervals:
         return None
-    by_pod: dict[str, tuple[float, float, float]] = {}
+    by_pod: dict[tuple[int, str], tuple[float, float, float]] = {}
     for i in intervals:
-        start, end, tokens = by_pod.get(i.pod, (i.start, i.end, 0.0))
-        by_pod[i.pod] = (min(start, i.start), max(end, i.end), tokens + i.counters[m.GENERATION_TOKENS_TOTAL])
+        start, end, tokens = by_pod.get(i.key, (i.start, i.end, 0.0))
+        by_pod[i.key] = (min(start, i.start), max(end, i.end), tokens + i.counters[m.GENERATION_TOKENS_TOTAL])
     span = max(e for _, e, _ in by_pod.values()) - min(s for s, _, _ in by_pod.values())
     return sum(t for _, _, t in by_pod.values()) / span if span > 0 else None
 

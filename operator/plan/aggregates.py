@@ -17,13 +17,21 @@ SATURATED_FRACTION = 0.9  # of the scrapes with a queue (or near the peak): the 
 NEAR_PEAK = 0.75
 
 
-def _peaks(scrapes: Iterable[PlanScrape]) -> dict[str, float]:
+def _peaks(scrapes: Iterable[PlanScrape]) -> dict[tuple[int, str], float]:
     """The most requests each pod held in flight at any of ``scrapes`` that report it."""
-    peaks: dict[str, float] = {}
+    peaks: dict[tuple[int, str], float] = {}
     for scrape in scrapes:
         if scrape.in_flight is not None:
-            peaks[scrape.pod] = max(peaks.get(scrape.pod, 0.0), scrape.in_flight)
+            peaks[scrape.key] = max(peaks.get(scrape.key, 0.0), scrape.in_flight)
     return peaks
+
+
+def _segments(scrapes: Iterable[PlanScrape]) -> list[list[PlanScrape]]:
+    """The scrapes of each recording laid end to end (``recording.read_recordings``), in order."""
+    out: dict[int, list[PlanScrape]] = {}
+    for scrape in scrapes:
+        out.setdefault(scrape.segment, []).append(scrape)
+    return [out[k] for k in sorted(out)]
 
 
 def _near_peak(in_flight: float | None, peak: float) -> bool:
@@ -76,7 +84,7 @@ def client_turnaround(intervals: Sequence[Interval]) -> float:
     peaks = _peaks(s for interval in intervals for s in (interval.before, interval.after))
     client_seconds = finished = latency_sum = latency_count = 0.0
     for interval in intervals:
-        peak = peaks.get(interval.pod, 0.0)
+        peak = peaks.get(interval.key, 0.0)
         ends = (interval.before.in_flight, interval.after.in_flight)
         e2e = interval.histograms.get(m.E2E_REQUEST_LATENCY_SECONDS)
         done = interval.counters.get(m.REQUEST_SUCCESS_TOTAL, 0.0)
@@ -94,21 +102,32 @@ def client_turnaround(intervals: Sequence[Interval]) -> float:
 def saturated(scrapes: Sequence[PlanScrape]) -> bool:
     """Whether the engine paced the clients: at (nearly) every scrape that reports the gauges, a
     request waited, or every pod held nearly as many requests as it ever did (closed-loop clients,
-    all but a few of them waiting on the engine)."""
+    all but a few of them waiting on the engine). Recordings laid end to end count together, each
+    over its own span with traffic."""
+    counted = paced = 0
+    for segment in _segments(scrapes):
+        n, k = _paced_scrapes(segment)
+        counted, paced = counted + n, paced + k
+    return counted > 0 and paced >= SATURATED_FRACTION * counted
+
+
+def _paced_scrapes(scrapes: Sequence[PlanScrape]) -> tuple[int, int]:
+    """One recording's scrapes with traffic, and how many of them show a queue (or, if more, how
+    many show the pods near their peak)."""
     counted = sorted((s for s in scrapes if s.in_flight is not None), key=lambda s: s.time)
     # Only the span with traffic: not the idle scrapes before the first request or after the last.
     busy = [i for i, s in enumerate(counted) if (s.in_flight or 0.0) > 0]
     if not busy:
-        return False
+        return 0, 0
     counted = counted[busy[0] : busy[-1] + 1]
     peaks = _peaks(counted)
     queued = sum(s.gauges[m.NUM_REQUESTS_WAITING] >= 1 for s in counted)
-    near_peak = sum(_near_peak(s.in_flight, peaks[s.pod]) for s in counted)
-    return max(queued, near_peak) >= SATURATED_FRACTION * len(counted)
+    near_peak = sum(_near_peak(s.in_flight, peaks[s.key]) for s in counted)
+    return len(counted), max(queued, near_peak)
 
 
 def peak_in_flight(scrapes: Sequence[PlanScrape]) -> int | None:
-    """The clients' concurrency: the sum over pods of the most requests each held in flight."""
-    peaks = _peaks(scrapes)
-    total = round(sum(peaks.values()))
-    return total if peaks and total > 0 else None
+    """The clients' concurrency: the sum over pods of the most requests each held in flight (the most
+    of any recording, where several are laid end to end)."""
+    total = max(round(sum(_peaks(segment).values())) for segment in _segments(scrapes)) if scrapes else 0
+    return total if total > 0 else None

@@ -15,7 +15,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvpilot.operator.plan.calibrate import calibrate
@@ -28,7 +28,7 @@ from kvpilot.operator.plan.candidates import (
     pick,
     run_plan,
 )
-from kvpilot.operator.plan.recording import PlanScrape, RecordingError, read_recording
+from kvpilot.operator.plan.recording import PlanScrape, RecordingError, read_recordings
 from kvpilot.operator.plan.step_time import LinearStepTime, StepTimeError
 from kvpilot.operator.plan.trace import with_trace
 from kvpilot.operator.plan.workload import Workload, workload_from_scrapes
@@ -63,7 +63,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("-f", "--filename", required=True, metavar="FILE", help="InferenceService manifest")
     plan.add_argument(
-        "--recording", required=True, metavar="SAMPLES", help="recorded scrapes (JSON Lines, .gz allowed)"
+        "--recording",
+        required=True,
+        action="append",
+        metavar="SAMPLES",
+        help="recorded scrapes (JSON Lines, .gz allowed); repeat the flag for recordings of other "
+        "stretches of the same settings, which the plan lays end to end as one longer recording",
     )
     plan.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON to PATH")
     plan.add_argument(
@@ -155,7 +160,7 @@ def format_table(results: list[CandidateResult], current: Candidate, chosen: Can
 
 def plan_document(
     isvc: dict[str, Any],
-    recording: str,
+    recordings: Sequence[str],
     workload: Workload,
     step_time: LinearStepTime,
     ctx: PlanContext,
@@ -177,7 +182,8 @@ def plan_document(
     return clean(
         {
             "inferenceService": {"name": meta.get("name"), "namespace": meta.get("namespace")},
-            "recording": recording,
+            "recording": recordings[0],
+            "recordings": list(recordings),
             "workload": {
                 "duration_s": workload.duration_s,
                 "num_requests": workload.num_requests,
@@ -233,13 +239,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print("error: invalid InferenceService: " + "; ".join(settings.problems), file=sys.stderr)
         return 1
     try:
-        scrapes = read_recording(args.recording, isvc)
+        scrapes = read_recordings(args.recording, isvc)
         workload = workload_from_scrapes(scrapes)
         if args.trace:
             workload = with_trace(workload, scrapes, args.trace)
         step_time = workload.step_time(spread=args.step_spread)
     except (RecordingError, StepTimeError) as exc:
-        print(f"error: {args.recording}: {exc}", file=sys.stderr)
+        print(f"error: {', '.join(args.recording)}: {exc}", file=sys.stderr)
         return 1
     ctx, _ = calibrate(
         context_of(settings, workload, open_loop=args.open_loop), workload, step_time, args.seed

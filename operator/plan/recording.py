@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,15 @@ class PlanScrape:
     # kvpilot's engine only: its step counters (m.ENGINE_STEP_COUNTERS, in that order) by
     # (phase, batch class), summed over the ``engine`` labels.
     step_counters: Mapping[tuple[str, str], tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    # Which of several recordings laid end to end (``read_recordings``) the scrape is from, and the
+    # seconds its time was moved by to follow the one before (0 for the first, or a lone recording).
+    segment: int = 0
+    shift_s: float = 0.0
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """The pod as the recordings tell it apart: the same name in two recordings is two pods."""
+        return (self.segment, self.pod)
 
     @property
     def in_flight(self) -> float | None:
@@ -92,6 +101,10 @@ class Interval:
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.before.key
 
 
 def _samples(metrics: Any) -> Iterable[tuple[str, dict[str, str], float]]:
@@ -200,11 +213,11 @@ def parse_plan_scrape(record: Record) -> PlanScrape:
 def intervals_of(scrapes: Iterable[PlanScrape]) -> list[Interval]:
     """Consecutive scrapes of each pod, as intervals of increases (in time order). An interval where
     a counter fell or a histogram's buckets do not line up (a restart) is left out."""
-    by_pod: dict[str, list[PlanScrape]] = {}
+    by_pod: dict[tuple[int, str], list[PlanScrape]] = {}
     for scrape in scrapes:
-        by_pod.setdefault(scrape.pod, []).append(scrape)
+        by_pod.setdefault(scrape.key, []).append(scrape)
     out = []
-    for pod, series in by_pod.items():
+    for (_, pod), series in by_pod.items():
         series.sort(key=lambda s: s.time)
         for before, after in zip(series, series[1:], strict=False):
             if after.time <= before.time:
@@ -233,7 +246,7 @@ def intervals_of(scrapes: Iterable[PlanScrape]) -> list[Interval]:
             if any(v < 0 for values in steps.values() for v in values):
                 continue  # restarted
             out.append(Interval(pod, before.time, after.time, counters, histograms, before, after, steps))
-    return sorted(out, key=lambda i: (i.start, i.pod))
+    return sorted(out, key=lambda i: (i.start, i.key))
 
 
 def read_recording(path: str | Path, isvc: dict[str, Any] | None = None) -> list[PlanScrape]:
@@ -253,3 +266,57 @@ def read_recording(path: str | Path, isvc: dict[str, Any] | None = None) -> list
     if not scrapes:
         raise RecordingError(f"{path}: no successful scrape of a ready pod")
     return scrapes
+
+
+def read_recordings(paths: Sequence[str | Path], isvc: dict[str, Any] | None = None) -> list[PlanScrape]:
+    """Several recordings of one service as one: laid end to end in the order of their first scrape,
+    each moved in time to start where the one before it ends (``PlanScrape.shift_s``), its pods told
+    apart from the others' (``PlanScrape.segment``: a pod restarts between recordings, and no
+    interval spans two). Quiet stretches within a recording stay; none is added between two. A
+    longer stretch of the same traffic for the plan: more requests behind each quantile, and the
+    engine's speed over several stretches of the node rather than one. Raises RecordingError for
+    recordings that overlap in time (a recording already holds every pod of its service)."""
+    parts = [(read_recording(path, isvc), Path(path)) for path in paths]
+    parts.sort(key=lambda part: min(s.time for s in part[0]))
+    if not parts:
+        raise RecordingError("no recording given")
+    pools = {path: _pool_labels(scrapes) for scrapes, path in parts}
+    if len({pool for pool in pools.values() if pool is not None}) > 1:
+        shown = "; ".join(f"{path}: {pool[0]} blocks of {pool[1]}" for path, pool in pools.items() if pool)
+        raise RecordingError(
+            f"the recordings ran on different KV pools ({shown}): lay end to end only recordings of "
+            "the same settings"
+        )
+    out: list[PlanScrape] = []
+    at = min(s.time for s in parts[0][0])
+    previous: tuple[float, Path] | None = None
+    for segment, (scrapes, path) in enumerate(parts):
+        first, last = min(s.time for s in scrapes), max(s.time for s in scrapes)
+        if previous is not None and first < previous[0]:
+            raise RecordingError(
+                f"{path} overlaps {previous[1]} in time: give recordings of different stretches (one "
+                "recording holds every pod of its service)"
+            )
+        shift = at - first
+        out += [dataclasses.replace(s, time=s.time + shift, segment=segment, shift_s=shift) for s in scrapes]
+        at, previous = last + shift, (last, path)
+    return out
+
+
+def _pool_labels(scrapes: Sequence[PlanScrape]) -> tuple[str, str] | None:
+    """The KV pool's block count and size in a recording's newest scrape that carries them."""
+    for scrape in sorted(scrapes, key=lambda s: s.time, reverse=True):
+        if "num_gpu_blocks" in scrape.cache_info and "block_size" in scrape.cache_info:
+            return scrape.cache_info["num_gpu_blocks"], scrape.cache_info["block_size"]
+    return None
+
+
+def segment_spans(scrapes: Iterable[PlanScrape]) -> list[tuple[float, float, float]]:
+    """Each recording's span as it was recorded (first and last scrape, unix seconds) and the seconds
+    its scrapes were moved by (``read_recordings``), in segment order."""
+    spans: dict[int, tuple[float, float, float]] = {}
+    for s in scrapes:
+        t = s.time - s.shift_s
+        lo, hi, _ = spans.get(s.segment, (t, t, s.shift_s))
+        spans[s.segment] = (min(lo, t), max(hi, t), s.shift_s)
+    return [spans[k] for k in sorted(spans)]

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 
-from kvpilot.operator.plan.recording import PlanScrape, RecordingError
+from kvpilot.operator.plan.recording import PlanScrape, RecordingError, segment_spans
 from kvpilot.operator.plan.simulate import Arrival
 from kvpilot.operator.plan.workload import Workload
 
 
-def read_trace(paths: Sequence[str], start: float, end: float) -> tuple[Arrival, ...]:
+def read_trace(
+    paths: Sequence[str], start: float, end: float, spans: Sequence[tuple[float, float, float]] = ()
+) -> tuple[Arrival, ...]:
     """The requests of ``kvpilot serve --request-trace`` files (one per pod) that arrived between
-    ``start`` and ``end`` (unix seconds: the recording's span), as arrivals from ``start``. A request
+    ``start`` and ``end`` (unix seconds: the recording's span), as arrivals from ``start``. With
+    ``spans`` (recordings laid end to end: each one's first and last scrape as recorded, and the
+    seconds it was moved by; ``recording.segment_spans``), those that arrived within a span, moved as
+    its recording was, ``start`` and ``end`` then on the moved clock. A request
     whose prompt hit the prefix cache (``cached_tokens``) starts with a prefix of that length that
     every such request shares (the first request of a prefix, which found nothing cached, holds it
     only as its own). Raises RecordingError (one line) for a file that cannot be read or holds no
@@ -35,6 +41,9 @@ def read_trace(paths: Sequence[str], start: float, end: float) -> tuple[Arrival,
                         raise RecordingError(
                             f"{path}: line {number}: not a request trace line ({exc})"
                         ) from exc
+                    if spans:
+                        moved = [arrival + shift for lo, hi, shift in spans if lo <= arrival <= hi]
+                        arrival = moved[0] if moved else math.nan
                     if start <= arrival <= end and prompt >= 1:
                         shared = max(0, min(cached, prompt - 1))
                         out.append(
@@ -57,4 +66,5 @@ def with_trace(workload: Workload, scrapes: Sequence[PlanScrape], paths: Sequenc
     """``workload`` with its arrivals taken from the request trace files ``paths``."""
     start = min(s.time for s in scrapes)
     end = max(s.time for s in scrapes)
-    return dataclasses.replace(workload, trace=read_trace(paths, start, end))
+    spans = segment_spans(scrapes)
+    return dataclasses.replace(workload, trace=read_trace(paths, start, end, spans if len(spans) > 1 else ()))

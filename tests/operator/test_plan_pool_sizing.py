@@ -8,8 +8,8 @@ from prometheus_client import generate_latest
 
 from kvpilot.engine import LLM
 from kvpilot.engine.metrics import PrometheusStatLogger
+from kvpilot.operator.plan.pool import pool_of
 from kvpilot.operator.plan.recording import parse_plan_scrape
-from kvpilot.operator.plan.workload import pool_of
 from kvpilot.operator.remediation.replay import Record
 
 BUDGET = 128 << 20

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvpilot.engine import metrics_names as m
+from kvpilot.operator.plan.pool import KVPool
 from kvpilot.operator.plan.recording import RecordingError, intervals_of, read_recording
 from kvpilot.operator.plan.step_time import fit_step_time
-from kvpilot.operator.plan.workload import KVPool, workload_from_scrapes
+from kvpilot.operator.plan.workload import workload_from_scrapes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-storm.jsonl.gz"
 ISVC = {"metadata": {"name": "llm", "namespace": "llm"}}
