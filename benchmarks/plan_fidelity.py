@@ -533,9 +533,11 @@ def median_of(runs: list[dict]) -> dict:
     return out
 
 
-def run_case(
-    case: Case, model: Path, workdir: Path, duration_s: float, seed: int, repeat: int = 1
-) -> list[dict]:
+def case_settings(
+    case: Case, model: Path, workdir: Path, repeat: int
+) -> list[tuple[Setting, dict[str, Any]]]:
+    """The settings a case runs, the settings in force first, each with its spec.engine keys: a pool
+    of ``blocks_in_force`` at the in-force fraction of a budget sized for it (``pool_sizing``)."""
     sizing = pool_sizing(model, case.shape, workdir)
     fixed = sizing["weights_bytes"] + sizing["activation_bytes"]
     budget = round((fixed + (case.blocks_in_force + 0.5) * sizing["bytes_per_block"]) / 0.5)
@@ -545,46 +547,73 @@ def run_case(
         # Run once each, the settings in force run twice: the second run, given to nothing, shows how
         # far one measured TTFT p99 lies from another of the same setting on this box.
         settings.append(Setting(AGAIN))
+    out = []
+    for setting in settings:
+        engine = {**base, **setting.engine}
+        if setting.blocks is not None:
+            engine["gpuMemoryUtilization"] = memory_settings(sizing, setting.blocks, budget)
+        out.append((setting, engine))
+    return out
+
+
+def measure_run(workdir: Path, stem: str) -> dict[str, Any]:
+    """What one kept run measured: its recording (``STEM.jsonl``), the engine's request trace
+    (``STEM.trace.jsonl``) and the clients' trips (``STEM.trips.json``: send, first token, end). Rates
+    run over the span of the requests, first sent to last answered (the plan's run: first arrival to
+    last step); without the trips, from the trace's first arrival to its last finish, and no
+    client-measured TTFT."""
+    record = [json.loads(line) for line in (workdir / f"{stem}.jsonl").read_text().splitlines()]
+    trace = [json.loads(line) for line in (workdir / f"{stem}.trace.jsonl").read_text().splitlines()]
+    trips_path = workdir / f"{stem}.trips.json"
+    trips = json.loads(trips_path.read_text()) if trips_path.is_file() else None
+    if trips:
+        span = max(end for _, _, end, _ in trips) - min(start for start, _, _, _ in trips)
+    else:
+        span = max(e["arrival"] + e["e2e_s"] for e in trace if e.get("e2e_s") is not None) - min(
+            e["arrival"] for e in trace
+        )
+    measured = measured_from_lines(record, span)
+    measured["ttft_p99_s"] = (
+        quantile([first - start for start, first, _, _ in trips], 0.99) if trips else math.nan
+    )
+    # The engine's own TTFT of every request (its trace, not given to the plan): exact, where the
+    # histogram is read by interpolating within its buckets.
+    engine_ttfts = [entry["ttft_s"] for entry in trace if entry.get("ttft_s") is not None]
+    measured["ttft_p99_engine_s"] = quantile(engine_ttfts, 0.99)
+    measured["engine_ttfts_s"] = [round(x, 7) for x in engine_ttfts]
+    measured["num_requests"] = len(trips) if trips else len(trace)
+    return measured
+
+
+def run_case(
+    case: Case, model: Path, workdir: Path, duration_s: float, seed: int, repeat: int = 1, run: bool = True
+) -> list[dict]:
+    """Run every setting of ``case`` ``repeat`` times and plan them; ``run`` False: run no engine,
+    measure the runs kept in ``workdir`` again (``measure_run``)."""
+    settings = case_settings(case, model, workdir, repeat)
     measured_runs: list[list[dict]] = [[] for _ in settings]
     runs = []
     # Round by round through the settings, so that a slow stretch of the box falls on one run of
     # several settings rather than on every run of one.
-    for rep, (index, setting) in itertools.product(range(repeat), enumerate(settings)):
-        engine = {**base, **setting.engine}
-        if setting.blocks is not None:
-            engine["gpuMemoryUtilization"] = memory_settings(sizing, setting.blocks, budget)
+    for rep, (index, (setting, engine)) in itertools.product(range(repeat), enumerate(settings)):
         stem = f"{case.name}-{index}" + (f".{rep}" if rep else "")
-        trace = workdir / f"{stem}.trace.jsonl"
-        proc, url = serve(model, engine, workdir / f"{stem}.log", trace)
-        record: list[dict] = []
-        try:
-            trips, _ = asyncio.run(drive(url, case.load, duration_s, seed, record, case.name))
-        finally:
-            stop_process(proc, signal.SIGTERM, 15)
-        path = workdir / f"{stem}.jsonl"
-        path.write_text("".join(json.dumps(line) + "\n" for line in record))
-        # Rates over the span of the requests, first sent to last answered: the plan's run from the
-        # first arrival to the last step.
-        span = max(end for _, _, end, _ in trips) - min(start for start, _, _, _ in trips)
-        measured = measured_from_lines(record, span)
-        measured["ttft_p99_s"] = quantile([first - start for start, first, _, _ in trips], 0.99)
-        # The engine's own TTFT of every request (its trace, not given to the plan): exact, where the
-        # histogram is read by interpolating within its buckets.
-        engine_ttfts = [
-            entry["ttft_s"]
-            for entry in map(json.loads, trace.read_text().splitlines())
-            if entry.get("ttft_s") is not None
-        ]
-        measured["ttft_p99_engine_s"] = quantile(engine_ttfts, 0.99)
-        measured["engine_ttfts_s"] = [round(x, 7) for x in engine_ttfts]
-        measured["num_requests"] = len(trips)
+        if run:
+            proc, url = serve(model, engine, workdir / f"{stem}.log", workdir / f"{stem}.trace.jsonl")
+            record: list[dict] = []
+            try:
+                trips, _ = asyncio.run(drive(url, case.load, duration_s, seed, record, case.name))
+            finally:
+                stop_process(proc, signal.SIGTERM, 15)
+            (workdir / f"{stem}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in record))
+            (workdir / f"{stem}.trips.json").write_text(json.dumps(trips))
+        measured = measure_run(workdir, stem)
         measured_runs[index].append(measured)
         if rep == 0:
-            runs.append({"setting": setting.label, "engine": engine, "recording": path})
+            runs.append({"setting": setting.label, "engine": engine, "recording": workdir / f"{stem}.jsonl"})
         print(
-            f"  ran {case.name} / {setting.label}"
+            f"  {'ran' if run else 'measured'} {case.name} / {setting.label}"
             + (f" (round {rep + 1} of {repeat})" if repeat > 1 else "")
-            + f": {len(trips)} requests, {measured['num_gpu_blocks']} blocks, TTFT p99 "
+            + f": {measured['num_requests']} requests, {measured['num_gpu_blocks']} blocks, TTFT p99 "
             f"{measured['ttft_p99_engine_s'] * 1e3:.1f} ms, {measured['output_tokens_per_s']:.0f} tok/s",
             flush=True,
         )
@@ -668,7 +697,7 @@ def vllm_case() -> list[dict]:
     engine = doc["spec"]["engine"]
     workload = workload_from_scrapes(read_recording(FIXTURE, doc))
     ctx = context_of(resolve(doc), workload)
-    predicted, about = predict(doc, FIXTURE, [ctx.current], False, ttft_bounds_of(FIXTURE))
+    predicted, about = predict(doc, [FIXTURE], [ctx.current], False, ttft_bounds_of(FIXTURE))
     pred = predicted[0]
     pred["ttft_p99_trace_s"] = math.nan  # no trace was recorded
     return [
@@ -789,6 +818,29 @@ def replanned_rows(case: Case, report: dict, workdir: Path) -> list[dict]:
     return planned_rows(case, runs, workdir)
 
 
+def write_report(
+    args: argparse.Namespace, rows: list[dict], duration: float, earlier: dict | None, partial: bool = False
+) -> None:
+    """The JSON report (``--out``); ``partial``: written after a workload, before the rest have run."""
+    from kvpilot.kernels import isa
+
+    report = {
+        # The runs' machine and load (those of the earlier report for --replan: its engines measured).
+        "isa": earlier["isa"] if earlier is not None else isa.describe(),
+        "duration_s": earlier["duration_s"] if earlier is not None else duration,
+        "repeat": earlier["repeat"] if earlier is not None else args.repeat,
+        **({"replanned_from": str(args.replan)} if earlier is not None else {}),
+        **({"remeasured_from": str(args.keep)} if args.remeasure else {}),
+        **({"partial": True} if partial else {}),
+        "plan_from": args.plan_from,
+        "threshold": {"preemption_rate": THRESHOLD, "window_s": WINDOW_S},
+        "goals": GOALS,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12 s runs instead of 25 s")
@@ -814,6 +866,12 @@ def main(argv: list[str] | None = None) -> int:
         "and traces it kept in --keep, with the plan's code as it is now",
     )
     parser.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="run no engine: measure the runs kept in --keep again (as --repeat says they ran) and plan "
+        "them, where no report of them was written; their rates then run over the engine's trace",
+    )
+    parser.add_argument(
         "--plan-from",
         choices=("all", "first"),
         default="all",
@@ -831,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     STEP_SPREAD, PLAN_FROM = args.step_spread, args.plan_from
     if args.replan is not None and args.keep is None:
         parser.error("--replan needs --keep: the directory the earlier run kept its recordings in")
+    if args.remeasure and (args.keep is None or args.replan is not None):
+        parser.error("--remeasure needs --keep (the directory of the runs), and no --replan")
     from kvpilot.kernels import isa
 
     print(isa.summary_line(), flush=True)
@@ -845,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
             args.keep.mkdir(parents=True, exist_ok=True)
             workdir = args.keep
         model = workdir / "model"
-        if args.replan is None and any(c.name in wanted for c in CASES):
+        if args.replan is None and not args.remeasure and any(c.name in wanted for c in CASES):
             from kvpilot.engine.models.synthetic import build_checkpoint
 
             build_checkpoint(model, size="test", dtype="float32", max_position_embeddings=2048)
@@ -858,7 +918,9 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = duration * case.duration_factor
                 count = (len(case.others) + 1) * args.repeat + (args.repeat == 1)
                 print(f"{case.name}: {count} runs x {seconds:g}s", flush=True)
-                rows += run_case(case, model, workdir, seconds, args.seed, args.repeat)
+                rows += run_case(case, model, workdir, seconds, args.seed, args.repeat, not args.remeasure)
+            # After every workload: an hour of runs is not lost to a later failure.
+            write_report(args, rows, duration, earlier, partial=True)
     if "vllm" in wanted:
         rows += vllm_case()
     print()
@@ -898,19 +960,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row["setting"].startswith("in force"):
             print(f"{row['workload']}: {row['plan']['step_time']}; notes: {row['plan']['notes']}")
-    report = {
-        # The runs' machine and load (those of the earlier report for --replan: its engines measured).
-        "isa": earlier["isa"] if earlier is not None else isa.describe(),
-        "duration_s": earlier["duration_s"] if earlier is not None else duration,
-        "repeat": earlier["repeat"] if earlier is not None else args.repeat,
-        **({"replanned_from": str(args.replan)} if earlier is not None else {}),
-        "plan_from": args.plan_from,
-        "threshold": {"preemption_rate": THRESHOLD, "window_s": WINDOW_S},
-        "goals": GOALS,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_report(args, rows, duration, earlier)
     print(f"wrote {args.out}")
     return 0
 

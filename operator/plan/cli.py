@@ -1,7 +1,8 @@
 """``kvpilot plan -f inferenceservice.yaml --recording rec.jsonl[.gz]``: predict what the levers do.
 
 Reads the InferenceService (the settings in force, the remediation limits) and a recording (JSON
-Lines of scrapes, as ``kvpilot operator --record`` writes them and ``kvpilot replay`` reads them),
+Lines of scrapes, as ``kvpilot operator --record`` writes them and ``kvpilot replay`` reads them;
+several, of other stretches of the same settings, are laid end to end: ``recording.read_recordings``),
 fits the step-time model, rebuilds the workload, simulates the settings in force and a small grid
 of candidates, and prints one row per candidate; the cheapest one without sustained preemption is
 marked ``*``. ``--json PATH`` writes everything as JSON too, ``--plot PATH`` a PNG of predicted vs

@@ -3,7 +3,8 @@
 
 A length is drawn as a bucket by its count, then within the bucket, and every draw is scaled by the
 ratio of the histogram's true mean (sum / count) to the mean of the distribution drawn from, so the
-mean length -- what the KV pool holds -- is the recorded one. Within a bucket the draw is uniform over
+mean length -- what the KV pool holds -- is the recorded one (the whole recording's, for the draws of
+one stretch of it: ``LengthDistribution.whole``). Within a bucket the draw is uniform over
 it, unless the recording shows how lengths spread there (:func:`bucket_spreads`); then it is uniform
 over the lengths' mean +- sqrt(3) standard deviations, within the bucket.
 """
@@ -70,10 +71,24 @@ class LengthDistribution:
 
     histogram: Histogram
     spreads: Mapping[float, BucketSpread] = dataclasses.field(default_factory=dict)
+    # The histogram whose mean the draws keep (None: ``histogram``'s own). A recording's stretch holds
+    # a few requests, and their mean within a bucket is chance; scaling a stretch's draws to it would
+    # stretch the lengths past those the recording shows (a 10 % scale puts 800-token prompts at 880),
+    # where scaling to the whole recording's mean keeps what the KV pool holds on average.
+    whole: Histogram | None = None
 
     @property
     def mean(self) -> float:
         return self.histogram.sum / self.histogram.count
+
+    def _scale(self) -> float:
+        """What every draw is multiplied by: the mean of ``whole`` (or ``histogram``) over the mean of
+        the distribution drawn from for it."""
+        target = self if self.whole is None else LengthDistribution(self.whole, self.spreads)
+        ranges = target._bucket_ranges()
+        weights = sum(c for _, _, c in ranges)
+        drawn_mean = sum((lo + hi) / 2 * c for lo, hi, c in ranges) / weights if weights > 0 else 0.0
+        return target.mean / drawn_mean if drawn_mean > 0 else 1.0
 
     def _bucket_ranges(self) -> list[tuple[float, float, float]]:
         """(low, high, count) of what each bucket that holds observations is drawn from: the bucket,
@@ -94,10 +109,10 @@ class LengthDistribution:
         return out
 
     def sample(self, rng: random.Random, n: int) -> list[int]:
-        """``n`` lengths (>= 1), scaled so that their expected mean is the histogram's."""
+        """``n`` lengths (>= 1), scaled so that their expected mean is the histogram's (``whole``'s,
+        where the draws are for one stretch of a recording: see there)."""
         ranges = self._bucket_ranges()
         weights = [c for _, _, c in ranges]
-        drawn_mean = sum((lo + hi) / 2 * c for lo, hi, c in ranges) / sum(weights)
-        scale = self.mean / drawn_mean if drawn_mean > 0 else 1.0
+        scale = self._scale()
         picks = rng.choices(ranges, weights=weights, k=n)
         return [max(1, round(scale * rng.uniform(lo, hi))) for lo, hi, _ in picks]

@@ -261,8 +261,10 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         for name in (m.REQUEST_PROMPT_TOKENS, m.REQUEST_GENERATION_TOKENS)
     }
 
+    wholes = {name: summed(intervals, name) for name in spreads}
+
     def lengths(histogram: Histogram, name: str) -> LengthDistribution:
-        return LengthDistribution(histogram, spreads[name])
+        return LengthDistribution(histogram, spreads[name], wholes[name])
 
     for (_, pod), series in sorted(by_pod.items()):
         if not any(m.REQUEST_SUCCESS_TOTAL in i.counters for i in series):

@@ -64,6 +64,24 @@ def test_draws_keep_to_the_spread_the_recording_shows_and_to_the_mean():
     assert statistics.mean(wide) == pytest.approx(224, rel=0.03)
 
 
+def test_a_stretchs_draws_keep_the_whole_recordings_mean_not_stretched_to_their_own():
+    # The recording: lengths 200-240 in (10, 500] (mean 220, spread 20). One stretch of it holds four
+    # requests that happened to average 240, and 4 short ones of 8 tokens.
+    spreads = {500.0: BucketSpread(220.0, 20.0), 10.0: BucketSpread(8.0, 0.0)}
+    whole = interval((400, 400, 0), 400 * 8 + 400 * 220)
+    stretch = interval((4, 4, 0), 4 * 8 + 4 * 240)
+    rng = random.Random(0)
+    own = LengthDistribution(stretch, spreads).sample(rng, 4000)
+    kept = LengthDistribution(stretch, spreads, whole).sample(rng, 4000)
+    top = 220 + math.sqrt(3) * 20
+    # Scaled to the stretch's own mean, every length grows by 124/114: short ones past 8 and long ones
+    # past any the recording shows.
+    assert min(own) == 9 and max(own) > top + 10
+    # Scaled to the whole recording's, they stay where the recording shows them, with its mean.
+    assert min(kept) == 8 and max(kept) <= top + 1
+    assert statistics.mean(kept) == pytest.approx((8 + 220) / 2, rel=0.01)
+
+
 def test_the_recorded_storm_draws_its_benchmark_lengths_fixed():
     scrapes = read_recording(FIXTURE, {"metadata": {"name": "llm", "namespace": "llm"}})
     # What the recording itself says, interval by interval: long requests of 96 prompt tokens and 224
