@@ -442,6 +442,8 @@ def binned_quantile(values: tuple[float, ...], bounds: list[float], q: float) ->
 
 # --step-spread: the step-time model draws single steps from the recorded spread (Workload.step_time).
 STEP_SPREAD = False
+# How many draws of the recorded workload each prediction is also made with (--draws).
+DRAWS = 1
 # The recordings of the settings in force given to the plan: "all" their runs', or the "first" one's.
 PLAN_FROM = "all"
 
@@ -479,6 +481,10 @@ def predict(
                 "storm": r.sustained_preemption,
                 "keeps_up": r.keeps_up,
                 "error": r.error,
+                # The same plan drawing other requests of the recorded kind (other arrival times
+                # within each scrape interval, other lengths): how far the p99 of that many
+                # requests moves with the sample alone. A trace replays the same requests: none.
+                "ttft_p99_draws_s": other_draws(candidate, ctx, workload, step_time),
             }
         )
     about = {
@@ -493,6 +499,18 @@ def predict(
         "current": ctx.current.as_dict(),
     }
     return out, about
+
+
+def other_draws(candidate: Candidate, ctx, workload, step_time) -> list[float]:
+    """The predicted TTFT p99 with draws 1..DRAWS-1 of the workload (none for a trace, which replays
+    the same requests every time)."""
+    if workload.trace is not None:
+        return []
+    out = []
+    for seed in range(1, DRAWS):
+        result = evaluate(candidate, ctx, workload, step_time, seed).result
+        out.append(result.ttft(0.99) if result is not None else math.nan)
+    return out
 
 
 def rel(pred: float, meas: float) -> float:
@@ -771,7 +789,8 @@ def print_runs(rows: list[dict]) -> None:
             f"{' '.join(_ms1(x) for x in ttfts)} / {_ms1(row['predicted']['ttft_p99_s'])} "
             f"(runs within {spread_ttft:.0%} of their median {_ms1(med_ttft)}, error "
             f"{_pct(row['error'].get('ttft_p99_engine_median_s', math.nan))}; all their requests "
-            f"{_ms1(measured['ttft_p99_engine_s'])}); tok/s {' '.join(f'{x:.0f}' for x in tputs)} / "
+            f"{_ms1(measured['ttft_p99_engine_s'])}{_draws(row['predicted'])}); tok/s "
+            f"{' '.join(f'{x:.0f}' for x in tputs)} / "
             f"{row['predicted']['output_tokens_per_s']:.0f} (within {spread_tput:.0%})"
         )
         for error in row["error_runs"]:
@@ -782,6 +801,22 @@ def print_runs(rows: list[dict]) -> None:
         f"against one run at a time: throughput +-15% {single_tput}/{total}, "
         f"TTFT p99 +-25% {single_ttft}/{total}"
     )
+    spans = [
+        (min(d), max(d), row["measured"]["ttft_p99_engine_s"])
+        for row in rows
+        if len(d := [row["predicted"]["ttft_p99_s"], *row["predicted"].get("ttft_p99_draws_s", [])]) > 1
+    ]
+    if spans:
+        inside = sum(lo <= x <= hi for lo, hi, x in spans)
+        print(f"measured TTFT p99 within the span of the draws' predictions: {inside}/{len(spans)}")
+
+
+def _draws(predicted: dict) -> str:
+    """The predicted TTFT p99 over the plan's draws of the workload (seed 0 first), when made."""
+    draws = [predicted["ttft_p99_s"], *predicted.get("ttft_p99_draws_s", [])]
+    if len(draws) < 2:
+        return ""
+    return f"; predicted with draws 0-{len(draws) - 1}: {' '.join(_ms1(x) for x in draws)}"
 
 
 def _ms1(x: float) -> str:
@@ -866,6 +901,13 @@ def main(argv: list[str] | None = None) -> int:
         "and traces it kept in --keep, with the plan's code as it is now",
     )
     parser.add_argument(
+        "--draws",
+        type=int,
+        default=6,
+        help="also plan each setting with this many draws of the recorded workload (seeds 0..N-1) and "
+        "print how far the predicted TTFT p99 moves between them (1: none)",
+    )
+    parser.add_argument(
         "--remeasure",
         action="store_true",
         help="run no engine: measure the runs kept in --keep again (as --repeat says they ran) and plan "
@@ -885,8 +927,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps instead of the recording's slow stretches replayed",
     )
     args = parser.parse_args(argv)
-    global STEP_SPREAD, PLAN_FROM
-    STEP_SPREAD, PLAN_FROM = args.step_spread, args.plan_from
+    global STEP_SPREAD, PLAN_FROM, DRAWS
+    STEP_SPREAD, PLAN_FROM, DRAWS = args.step_spread, args.plan_from, args.draws
     if args.replan is not None and args.keep is None:
         parser.error("--replan needs --keep: the directory the earlier run kept its recordings in")
     if args.remeasure and (args.keep is None or args.replan is not None):
