@@ -103,7 +103,7 @@ from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import engine_snake_args
 from kvpilot.operator.demo.prepare import start_process, stop_process, wait_for_line
 from kvpilot.operator.plan.calibrate import calibrate
-from kvpilot.operator.plan.candidates import Candidate, context_of, evaluate
+from kvpilot.operator.plan.candidates import MIN_LATENCY_SAMPLES, Candidate, context_of, evaluate
 from kvpilot.operator.plan.recording import read_recording, read_recordings
 from kvpilot.operator.plan.trace import with_trace
 from kvpilot.operator.plan.workload import workload_from_scrapes
@@ -444,6 +444,8 @@ def binned_quantile(values: tuple[float, ...], bounds: list[float], q: float) ->
 STEP_SPREAD = False
 # How many draws of the recorded workload each prediction is also made with (--draws).
 DRAWS = 1
+# The requests the plan's latency quantiles rest on at least (kvpilot plan --latency-samples).
+LATENCY_SAMPLES = MIN_LATENCY_SAMPLES
 # The recordings of the settings in force given to the plan: "all" their runs', or the "first" one's.
 PLAN_FROM = "all"
 
@@ -466,6 +468,7 @@ def predict(
         workload = with_trace(workload, scrapes, [str(t) for t in traces])
     step_time = workload.step_time(spread=STEP_SPREAD)
     ctx, _ = calibrate(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
+    ctx = dataclasses.replace(ctx, latency_samples=LATENCY_SAMPLES)
     out = []
     for candidate in candidates:
         r = evaluate(candidate, ctx, workload, step_time)
@@ -502,10 +505,12 @@ def predict(
 
 
 def other_draws(candidate: Candidate, ctx, workload, step_time) -> list[float]:
-    """The predicted TTFT p99 with draws 1..DRAWS-1 of the workload (none for a trace, which replays
-    the same requests every time)."""
+    """The predicted TTFT p99 with draws 1..DRAWS-1 of the workload, each as the plan makes it by
+    default (on MIN_LATENCY_SAMPLES requests; none for a trace, which replays the same requests every
+    time)."""
     if workload.trace is not None:
         return []
+    ctx = dataclasses.replace(ctx, latency_samples=MIN_LATENCY_SAMPLES)
     out = []
     for seed in range(1, DRAWS):
         result = evaluate(candidate, ctx, workload, step_time, seed).result
@@ -619,7 +624,10 @@ def run_case(
             proc, url = serve(model, engine, workdir / f"{stem}.log", workdir / f"{stem}.trace.jsonl")
             record: list[dict] = []
             try:
-                trips, _ = asyncio.run(drive(url, case.load, duration_s, seed, record, case.name))
+                # Each round's clients draw their own requests (seed + round), the same in every
+                # setting of the round: three rounds are three samples of the traffic, not one
+                # sample measured three times.
+                trips, _ = asyncio.run(drive(url, case.load, duration_s, seed + rep, record, case.name))
             finally:
                 stop_process(proc, signal.SIGTERM, 15)
             (workdir / f"{stem}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in record))
@@ -868,6 +876,10 @@ def write_report(
         **({"remeasured_from": str(args.keep)} if args.remeasure else {}),
         **({"partial": True} if partial else {}),
         "plan_from": args.plan_from,
+        "latency_samples": args.latency_samples,
+        # Each round's clients drew their own requests (seed + round); earlier reports: every round
+        # the same requests.
+        "client_seed_per_round": earlier.get("client_seed_per_round", False) if earlier is not None else True,
         "threshold": {"preemption_rate": THRESHOLD, "window_s": WINDOW_S},
         "goals": GOALS,
         "rows": rows,
@@ -908,6 +920,13 @@ def main(argv: list[str] | None = None) -> int:
         "print how far the predicted TTFT p99 moves between them (1: none)",
     )
     parser.add_argument(
+        "--latency-samples",
+        type=int,
+        default=MIN_LATENCY_SAMPLES,
+        help="plan as `kvpilot plan --latency-samples N`: pool draws of the recorded workload until the "
+        f"predicted latency quantiles rest on N requests (default {MIN_LATENCY_SAMPLES}, the plan's own)",
+    )
+    parser.add_argument(
         "--remeasure",
         action="store_true",
         help="run no engine: measure the runs kept in --keep again (as --repeat says they ran) and plan "
@@ -927,8 +946,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps instead of the recording's slow stretches replayed",
     )
     args = parser.parse_args(argv)
-    global STEP_SPREAD, PLAN_FROM, DRAWS
+    global STEP_SPREAD, PLAN_FROM, DRAWS, LATENCY_SAMPLES
     STEP_SPREAD, PLAN_FROM, DRAWS = args.step_spread, args.plan_from, args.draws
+    LATENCY_SAMPLES = args.latency_samples
     if args.replan is not None and args.keep is None:
         parser.error("--replan needs --keep: the directory the earlier run kept its recordings in")
     if args.remeasure and (args.keep is None or args.replan is not None):

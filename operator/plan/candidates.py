@@ -26,7 +26,10 @@ lengths; at most ``MAX_REALIZATIONS`` draws in all) and the latencies of every d
 two hundred requests is their second slowest, which one draw puts anywhere from the median's double
 to its ten-fold where queues form rarely; the p99 of the pooled draws is the workload's, not one
 draw's. Every other prediction (preemptions, throughput, the timeline) is the first draw's. A trace
-replays the same requests every time, so it is drawn once.
+replays the same requests every time, so it is drawn once. Where the p99 sits at a knee (a queue that
+forms only when a few requests overlap) even a thousand requests' p99 moves by a third from one draw
+to the next; ``PlanContext.latency_samples`` (``kvpilot plan --latency-samples``) pools more draws
+for an offline plan that has the time (each draw is a whole simulation).
 """
 
 from __future__ import annotations
@@ -126,6 +129,9 @@ class PlanContext:
     # The prefix every drawn prompt shares, in tokens: the recorded prefix-cache hits
     # (calibrate.calibrate_prefix).
     shared_prefix_len: int = 0
+    # The requests the latency quantiles rest on at least (see the module doc); the draws stop at
+    # MAX_REALIZATIONS per MIN_LATENCY_SAMPLES of it.
+    latency_samples: int = MIN_LATENCY_SAMPLES
 
 
 def context_of(settings: Settings, workload: Workload, open_loop: bool = False) -> PlanContext:
@@ -319,9 +325,9 @@ def evaluate(
     try:
         result = run(seed)
         ttft, itl = list(result.ttft_s), list(result.itl_s)
-        draws = 1 if workload.trace is not None else MAX_REALIZATIONS
+        draws = 1 if workload.trace is not None else max_realizations(ctx.latency_samples)
         for draw in range(seed + 1, seed + draws):
-            if len(ttft) >= MIN_LATENCY_SAMPLES:
+            if len(ttft) >= ctx.latency_samples:
                 break
             more = run(draw)
             ttft += more.ttft_s
@@ -346,6 +352,12 @@ def evaluate(
         keeps_up=not result.truncated,
         meets_slo=ctx.ttft_slo_s is None or not ttft_p99 > ctx.ttft_slo_s,
     )
+
+
+def max_realizations(latency_samples: int) -> int:
+    """The most draws of a workload pooled for ``latency_samples`` requests: MAX_REALIZATIONS per
+    MIN_LATENCY_SAMPLES (a recording of a few requests is not drawn without end)."""
+    return MAX_REALIZATIONS * max(1, -(-latency_samples // MIN_LATENCY_SAMPLES))
 
 
 def with_prefix(arrival: Arrival, prompt_len: int, shared: int) -> Arrival:

@@ -303,3 +303,18 @@ def test_plot_without_matplotlib_is_skipped_with_one_line(tmp_path, capsys, monk
     assert "in force" in captured.out
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "plot skipped" in lines[0] and "matplotlib is not installed" in lines[0]
+
+
+def test_plan_cli_latency_samples(tmp_path, capsys):
+    """--latency-samples takes a whole number of at least 1 (else argparse's usage error, exit 2) and
+    the plan's JSON says how many requests its latency quantiles rest on."""
+    manifest = _manifest(tmp_path, isvc())
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "-f", str(manifest), "--recording", str(FIXTURE), "--latency-samples", bad])
+        assert exit_info.value.code == 2
+        assert "--latency-samples" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    args = ["plan", "-f", str(manifest), "--recording", str(FIXTURE), "--no-progress", "--json", str(out)]
+    assert main([*args, "--latency-samples", "1500"]) == 0
+    assert json.loads(out.read_text())["latency_samples"] == 1500

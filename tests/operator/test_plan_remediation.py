@@ -355,3 +355,34 @@ def test_latency_quantiles_pool_draws_of_a_short_recording(storm_scrapes, monkey
     monkeypatch.setattr(cand, "MAX_REALIZATIONS", 8)
     traced = dataclasses.replace(workload, trace=tuple(workload.arrivals(0)))
     assert len(cand.evaluate(ctx.current, ctx, traced, step_time).result.ttft_s) == workload.num_requests
+
+
+def test_latency_samples_pool_more_draws_and_stop_at_their_cap(storm_scrapes, monkeypatch):
+    """PlanContext.latency_samples (kvpilot plan --latency-samples) raises the requests the latency
+    quantiles rest on: the draws go on until they hold that many, at most MAX_REALIZATIONS per
+    MIN_LATENCY_SAMPLES; the first draw's latencies lead, and the rest of the prediction is the
+    first draw's as before."""
+    import dataclasses
+
+    from kvpilot.operator.plan import candidates as cand
+
+    doc = _storm_isvc()
+    workload = workload_from_scrapes(storm_scrapes)
+    step_time = workload.step_time()
+    ctx = context_of(resolve(doc), workload)
+    n = workload.num_requests
+    base = cand.evaluate(ctx.current, ctx, workload, step_time, seed=0)
+    wanted = 3 * cand.MIN_LATENCY_SAMPLES
+    more = cand.evaluate(
+        ctx.current, dataclasses.replace(ctx, latency_samples=wanted), workload, step_time, seed=0
+    )
+    assert len(more.result.ttft_s) == -(-wanted // n) * n > len(base.result.ttft_s)
+    assert more.result.ttft_s[: len(base.result.ttft_s)] == base.result.ttft_s
+    assert more.result.samples == base.result.samples
+    assert cand.max_realizations(wanted) == 3 * cand.MAX_REALIZATIONS
+    # The cap: one draw per MIN_LATENCY_SAMPLES here, so the pool stops at three draws.
+    monkeypatch.setattr(cand, "MAX_REALIZATIONS", 1)
+    capped = cand.evaluate(
+        ctx.current, dataclasses.replace(ctx, latency_samples=wanted), workload, step_time, seed=0
+    )
+    assert len(capped.result.ttft_s) == 3 * n
