@@ -33,9 +33,11 @@ recordings of every run of the settings in force, laid end to end as one longer 
 (``kvpilot plan --recording A --recording B ...``): three stretches of the node's speed rather than
 one, and three times the requests behind each predicted quantile (``--plan-from first``: the first
 run's alone, as before). The ``TRACE`` column is the TTFT p99 error of the plan given those runs'
-request traces as well (``kvpilot plan --trace``): the clients draw the same arrivals and lengths in
-every run, so a trace holds the very requests each setting served, where the recording alone gives
-their distributions.
+request traces as well (``kvpilot plan --trace``): each round's clients draw their own arrivals and
+lengths (seed + round), the same in every setting of the round, so the traces of all rounds hold the
+very requests each setting served, where the recording alone gives their distributions. (Reports
+without ``client_seed_per_round`` ran every round on the same requests: one sample of the traffic
+measured three times.)
 
 Workloads:
 
@@ -666,8 +668,8 @@ def planned_rows(case: Case, runs: list[dict], workdir: Path) -> list[dict]:
     bounds = ttft_bounds_of(runs[0]["recording"])
     recordings, traces = in_force_runs(case, workdir)
     predicted, about = predict(doc, recordings, candidates, open_loop, bounds)
-    # The same with those runs' request traces (kvpilot plan --trace): the clients draw the same
-    # arrivals and lengths in every run, so a trace holds the very requests each setting served.
+    # The same with those runs' request traces (kvpilot plan --trace): every setting's round r sent
+    # the requests of the settings in force's round r, so the traces hold the very requests served.
     traced, _ = predict(doc, recordings, candidates, open_loop, bounds, traces)
     rows = []
     for r, pred, pred_traced in zip(runs, predicted, traced, strict=True):
