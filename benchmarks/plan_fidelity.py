@@ -101,6 +101,7 @@ except ImportError:  # run as a script: put the repository root on the path
 
 from kvpilot.engine import metrics_names as m
 from kvpilot.engine.config import to_cli_args
+from kvpilot.engine.server.cli import positive_int
 from kvpilot.operator.api.settings import resolve
 from kvpilot.operator.api.spec import engine_snake_args
 from kvpilot.operator.demo.prepare import start_process, stop_process, wait_for_line
@@ -880,14 +881,21 @@ def write_report(
         "plan_from": args.plan_from,
         "latency_samples": args.latency_samples,
         # Each round's clients drew their own requests (seed + round); earlier reports: every round
-        # the same requests.
-        "client_seed_per_round": earlier.get("client_seed_per_round", False) if earlier is not None else True,
+        # the same requests; null: kept runs measured again (--remeasure), which do not say.
+        "client_seed_per_round": seeds_per_round(args, earlier),
         "threshold": {"preemption_rate": THRESHOLD, "window_s": WINDOW_S},
         "goals": GOALS,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def seeds_per_round(args: argparse.Namespace, earlier: dict | None) -> bool | None:
+    """Whether the report's runs drew their requests per round (``client_seed_per_round``)."""
+    if earlier is not None:
+        return earlier.get("client_seed_per_round", False)
+    return None if args.remeasure else True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -923,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--latency-samples",
-        type=int,
+        type=positive_int,
         default=MIN_LATENCY_SAMPLES,
         help="plan as `kvpilot plan --latency-samples N`: pool draws of the recorded workload until the "
         f"predicted latency quantiles rest on N requests (default {MIN_LATENCY_SAMPLES}, the plan's own)",

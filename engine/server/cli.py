@@ -165,7 +165,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     for name, (metavar, what) in _LIMIT_FLAGS.items():
         server.add_argument(
             flag_name(name),
-            type=_positive if name == "max_sequences_per_request" else _non_negative,
+            type=positive_int if name == "max_sequences_per_request" else _non_negative,
             default=getattr(defaults, name),
             metavar=metavar,
             help=f"{what}; more is a 400 naming this flag (default: %(default)s)",
@@ -260,7 +260,8 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (argparse's usage error otherwise)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvpilot.engine.server.cli import positive_int
 from kvpilot.operator.plan.calibrate import calibrate
 from kvpilot.operator.plan.candidates import (
     MIN_LATENCY_SAMPLES,
@@ -105,7 +106,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     plan.add_argument(
         "--latency-samples",
-        type=_positive_int,
+        type=positive_int,
         default=MIN_LATENCY_SAMPLES,
         metavar="N",
         help="pool draws of the recorded workload until the TTFT and ITL quantiles rest on N requests "
@@ -114,16 +115,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     plan.set_defaults(func=run_plan_command)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def _progress(total: int, enabled: bool):

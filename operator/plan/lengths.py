@@ -12,6 +12,7 @@ over the lengths' mean +- sqrt(3) standard deviations, within the bucket.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections.abc import Iterable, Mapping
@@ -81,9 +82,10 @@ class LengthDistribution:
     def mean(self) -> float:
         return self.histogram.sum / self.histogram.count
 
+    @functools.cached_property
     def _scale(self) -> float:
         """What every draw is multiplied by: the mean of ``whole`` (or ``histogram``) over the mean of
-        the distribution drawn from for it."""
+        the distribution drawn from for it (once per distribution: every draw of the plan uses it)."""
         target = self if self.whole is None else LengthDistribution(self.whole, self.spreads)
         ranges = target._bucket_ranges()
         weights = sum(c for _, _, c in ranges)
@@ -113,6 +115,6 @@ class LengthDistribution:
         where the draws are for one stretch of a recording: see there)."""
         ranges = self._bucket_ranges()
         weights = [c for _, _, c in ranges]
-        scale = self._scale()
+        scale = self._scale
         picks = rng.choices(ranges, weights=weights, k=n)
         return [max(1, round(scale * rng.uniform(lo, hi))) for lo, hi, _ in picks]
