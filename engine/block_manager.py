@@ -189,43 +189,44 @@ class BlockManager:
         self.prefix_hits += num_cached
         return num_cached
 
-    def _needs_cow(self, req: Request, table: list[int]) -> int:
-        """1 when the next write lands in a partially filled block shared with another request."""
-        if req.num_computed_tokens % self.block_size == 0:
-            return 0
-        last = req.num_computed_tokens // self.block_size
-        return int(last < len(table) and self.ref_counts[table[last]] > 1)
-
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req`` (KV written this step).
 
-        All-or-nothing: returns False and changes nothing when the free pool is too small.
+        All-or-nothing: returns False and changes nothing when the free pool is too small. Called for
+        every scheduled request on every step, so the common case (a decode token that lands in the
+        request's own last block) is kept to a few lookups.
         """
-        table = self.block_tables.setdefault(req.req_id, [])
-        self._key_chain.setdefault(req.req_id, [])
-        cow = self._needs_cow(req, table)
-        needed = self.num_blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
-        if max(needed, 0) + cow > self.num_free_blocks:
+        req_id = req.req_id
+        table = self.block_tables.get(req_id)
+        if table is None:
+            table = self.block_tables[req_id] = []
+            self._key_chain.setdefault(req_id, [])
+        bs = self.block_size
+        computed = req.num_computed_tokens
+        end = computed + num_new_tokens
+        last, offset = divmod(computed, bs)
+        # Copy on write: the next write lands in a partly filled block shared with another request.
+        cow = offset != 0 and last < len(table) and self.ref_counts[table[last]] > 1
+        needed = -(-end // bs) - len(table)
+        if (needed if needed > 0 else 0) + cow > len(self._free_plain) + len(self._free_cached):
             return False
         if cow:
-            last = req.num_computed_tokens // self.block_size
             src = table[last]
             dst = self._pop_free()
             self.pending_copies.append((src, dst))
             self._release(src)
             table[last] = dst
-        elif self._partial_of and req.num_computed_tokens % self.block_size:
+        elif offset and self._partial_of:
             # A block found by a partial key is written in place from this slot on (nobody else holds
             # it): what its other keys say of those slots no longer holds.
-            self._truncate_partial(
-                table[req.num_computed_tokens // self.block_size], req.num_computed_tokens % self.block_size
-            )
+            self._truncate_partial(table[last], offset)
         for _ in range(needed):
             table.append(self._pop_free())
-        if self.enable_prefix_caching:
-            keyed = self._register_keys(req, req.num_computed_tokens + num_new_tokens)
+        # Only a write that fills a block past the request's keyed ones has anything to key.
+        if self.enable_prefix_caching and end // bs > len(self._key_chain[req_id]):
+            keyed = self._register_keys(req, end)
             if keyed:
-                self._tentative.setdefault(req.req_id, []).extend(keyed)
+                self._tentative.setdefault(req_id, []).extend(keyed)
         return True
 
     def _register_partial(self, req: Request, table: list[int]) -> None:

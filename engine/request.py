@@ -122,11 +122,12 @@ def check_stop(req: Request, token: int) -> tuple[RequestStatus | None, int | No
     status FINISHED_STOPPED on EOS (stop_reason None) or a stop token (stop_reason the token),
     FINISHED_LENGTH at its output cap, None to go on. ``min_tokens`` defers EOS and stop tokens."""
     params = req.sampling_params
-    if req.num_output_tokens >= params.min_tokens:
+    num_output = len(req.output_token_ids)
+    if num_output >= params.min_tokens:
         if token == req.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED, None
         if token in params.stop_token_id_set:
             return RequestStatus.FINISHED_STOPPED, token
-    if req.num_output_tokens >= req.max_output_tokens:
+    if num_output >= req.max_output_tokens:
         return RequestStatus.FINISHED_LENGTH, None
     return None, None

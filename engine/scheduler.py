@@ -131,14 +131,22 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim.req_id)
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + prefills:
+        # (request, tokens it has not computed): decodes first, then prefill chunks, each oldest first.
+        decodes: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
+        for r in self.running:
+            left = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            if left == 1:
+                decodes.append((r, 1))
+            elif left > 1:
+                prefills.append((r, left))
+        running = RequestStatus.RUNNING
+        for req, left in decodes + prefills:
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
+            if req.status is not running:  # preempted earlier in this step
                 continue
-            num_new = self._num_new_tokens(req, budget)
+            num_new = min(left, budget)
             while not bm.allocate_slots(req, num_new):
                 victim = max(self.running, key=lambda r: r.arrival_seq)
                 if victim.req_id in scheduled:
@@ -321,19 +329,29 @@ class Scheduler:
         aborted while the step ran are skipped. Returns one ``CoreOutput`` (values only) per token
         appended.
         """
-        sampled = dict(zip(runner_output.req_ids, runner_output.token_ids, strict=True))
-        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
+        req_ids = runner_output.req_ids
+        token_ids = runner_output.token_ids
+        logprobs = runner_output.logprobs
+        if not len(req_ids) == len(token_ids) == len(logprobs):
+            raise ValueError(
+                f"runner output is ragged: {len(req_ids)} req_ids, {len(token_ids)} token_ids, "
+                f"{len(logprobs)} logprobs"
+            )
+        position = {req_id: i for i, req_id in enumerate(req_ids)}
+        requests = self.requests
+        running = RequestStatus.RUNNING
         outputs = []
         for item in output.scheduled:
-            req = self.requests.get(item.req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(item.req_id)
+            if req is None or req.status is not running:
                 continue  # aborted while the step ran
             req.num_computed_tokens += item.num_tokens  # its full blocks were keyed as allocated
             if not item.do_sample:
                 continue
-            token = sampled[item.req_id]
+            i = position[item.req_id]
+            token = token_ids[i]
             req.append_output_token(token)
-            entry = logprobs[item.req_id]
+            entry = logprobs[i]
             status, stop_reason = check_stop(req, token)
             if status is not None:
                 del self.requests[req.req_id]

@@ -116,10 +116,12 @@ class SchedulerOutput:
         return not self.scheduled and not self.has_block_ops and not self.finished_req_ids
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CoreOutput:
     """What one step did to one sequence, as values only (picklable, sharing nothing with the
-    scheduler's state): the token it sampled, its logprobs, and whether it finished and why.
+    scheduler's state): the token it sampled, its logprobs, and whether it finished and why. Not frozen
+    for the reason ``ScheduledRequest`` is not: one is built per sequence per step, and a frozen one
+    costs four times as much (1.06 against 0.23 us); nothing writes it.
 
     The metric fields are events the core alone sees: when it first scheduled the sequence, how many
     prompt tokens came from the prefix cache, how often it was preempted."""
