@@ -99,6 +99,7 @@ except ImportError:  # run as a script: put the repository root on the path
     from tests.operator.test_plan_cli import FIXTURE
     from tests.operator.test_plan_cli import isvc as vllm_isvc
 
+from benchmarks.fidelity_traffic import rank_of, traffic_p99s  # the repository root is on the path
 from kvpilot.engine import metrics_names as m
 from kvpilot.engine.config import to_cli_args
 from kvpilot.engine.server.cli import positive_int
@@ -451,6 +452,8 @@ DRAWS = 1
 LATENCY_SAMPLES = MIN_LATENCY_SAMPLES
 # The recordings of the settings in force given to the plan: "all" their runs', or the "first" one's.
 PLAN_FROM = "all"
+# Samples of an open-loop workload's clients' own process run through the plan (--traffic-samples).
+TRAFFIC_SAMPLES = 0
 
 
 def predict(
@@ -460,11 +463,13 @@ def predict(
     open_loop: bool,
     ttft_bounds: list[float],
     traces: list[Path] | None = None,
+    load: Load | None = None,
 ) -> tuple[list, dict]:
     """The plan's simulation of each candidate on the workload of ``recordings`` (laid end to end, as
     ``kvpilot plan`` given each with ``--recording``; with their requests from ``traces`` when given,
     as ``kvpilot plan --trace``); TTFT p99 also binned into the engine's TTFT buckets
-    (``ttft_bounds``)."""
+    (``ttft_bounds``). With traces and an open-loop ``load``, also the p99 of ``TRAFFIC_SAMPLES``
+    fresh samples of the clients' own process over the traces' span (``fidelity_traffic``)."""
     scrapes = read_recordings(recordings, doc)
     workload = workload_from_scrapes(scrapes)
     if traces:
@@ -472,8 +477,13 @@ def predict(
     step_time = workload.step_time(spread=STEP_SPREAD)
     ctx, _ = calibrate(context_of(resolve(doc), workload, open_loop=open_loop), workload, step_time)
     ctx = dataclasses.replace(ctx, latency_samples=LATENCY_SAMPLES)
+    traffic = (
+        traffic_p99s(candidates, ctx, workload, step_time, load, TRAFFIC_SAMPLES)
+        if traces and load is not None and TRAFFIC_SAMPLES
+        else [[] for _ in candidates]
+    )
     out = []
-    for candidate in candidates:
+    for candidate, traffic_p99 in zip(candidates, traffic, strict=True):
         r = evaluate(candidate, ctx, workload, step_time)
         res = r.result
         out.append(
@@ -491,6 +501,8 @@ def predict(
                 # within each scrape interval, other lengths): how far the p99 of that many
                 # requests moves with the sample alone. A trace replays the same requests: none.
                 "ttft_p99_draws_s": other_draws(candidate, ctx, workload, step_time),
+                # The clients' own process, sampled afresh, through the plan (with a trace only).
+                "ttft_p99_traffic_s": traffic_p99,
             }
         )
     about = {
@@ -671,10 +683,13 @@ def planned_rows(case: Case, runs: list[dict], workdir: Path) -> list[dict]:
     predicted, about = predict(doc, recordings, candidates, open_loop, bounds)
     # The same with those runs' request traces (kvpilot plan --trace): every setting's round r sent
     # the requests of the settings in force's round r, so the traces hold the very requests served.
-    traced, _ = predict(doc, recordings, candidates, open_loop, bounds, traces)
+    traced, _ = predict(
+        doc, recordings, candidates, open_loop, bounds, traces, case.load if open_loop else None
+    )
     rows = []
     for r, pred, pred_traced in zip(runs, predicted, traced, strict=True):
         pred["ttft_p99_trace_s"] = pred_traced["ttft_p99_s"]
+        pred["ttft_p99_traffic_s"] = pred_traced["ttft_p99_traffic_s"]
         rows.append(
             {
                 "workload": case.name,
@@ -822,6 +837,32 @@ def print_runs(rows: list[dict]) -> None:
         print(f"measured TTFT p99 within the span of the draws' predictions: {inside}/{len(spans)}")
 
 
+def print_traffic(rows: list[dict]) -> None:
+    """Where the measured and the predicted TTFT p99 fall among the p99s of fresh samples of the
+    clients' own process run through the plan (``--traffic-samples``): a measurement outside their
+    span is one the traffic's sampling alone does not explain."""
+    print()
+    print("the clients' own process, sampled afresh through the plan: TTFT p99 ms (min median max)")
+    inside = 0
+    for row in rows:
+        sample = row["predicted"]["ttft_p99_traffic_s"]
+        finite = sorted(x for x in sample if math.isfinite(x))
+        measured, predicted = row["measured"]["ttft_p99_engine_s"], row["predicted"]["ttft_p99_s"]
+        below, n = rank_of(measured, finite)
+        inside += bool(finite) and finite[0] <= measured <= finite[-1]
+        lo, mid, hi = (
+            (_ms1(finite[0]), _ms1(statistics.median(finite)), _ms1(finite[-1])) if finite else ("-",) * 3
+        )
+        spread = rel(finite[-1], finite[0]) if finite else math.nan
+        median = statistics.median(finite) if finite else math.nan
+        print(
+            f"  {row['workload']:8} {row['setting'][:24]:24} {lo} {mid} {hi} (max {_pct(spread)} over min) "
+            f"of {n}; measured {_ms1(measured)} above {below} of them; predicted {_ms1(predicted)} "
+            f"({_pct(rel(predicted, median))} against their median)"
+        )
+    print(f"measured TTFT p99 within the span of the clients' process samples: {inside}/{len(rows)}")
+
+
 def _draws(predicted: dict) -> str:
     """The predicted TTFT p99 over the plan's draws of the workload (seed 0 first), when made."""
     draws = [predicted["ttft_p99_s"], *predicted.get("ttft_p99_draws_s", [])]
@@ -880,6 +921,7 @@ def write_report(
         **({"partial": True} if partial else {}),
         "plan_from": args.plan_from,
         "latency_samples": args.latency_samples,
+        "traffic_samples": args.traffic_samples,
         # Each round's clients drew their own requests (seed + round); earlier reports: every round
         # the same requests; null: kept runs measured again (--remeasure), which do not say.
         "client_seed_per_round": seeds_per_round(args, earlier),
@@ -955,10 +997,19 @@ def main(argv: list[str] | None = None) -> int:
         help="plan as `kvpilot plan --step-spread`: every step drawn from the recorded spread of single "
         "steps instead of the recording's slow stretches replayed",
     )
+    parser.add_argument(
+        "--traffic-samples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="for each open-loop setting, also run N fresh samples of the clients' own process (over the "
+        "span of the traced requests) through the plan, and print where the measured TTFT p99 falls "
+        "among their p99s: how far the p99 moves with the sample of the traffic alone (default 0: none)",
+    )
     args = parser.parse_args(argv)
-    global STEP_SPREAD, PLAN_FROM, DRAWS, LATENCY_SAMPLES
+    global STEP_SPREAD, PLAN_FROM, DRAWS, LATENCY_SAMPLES, TRAFFIC_SAMPLES
     STEP_SPREAD, PLAN_FROM, DRAWS = args.step_spread, args.plan_from, args.draws
-    LATENCY_SAMPLES = args.latency_samples
+    LATENCY_SAMPLES, TRAFFIC_SAMPLES = args.latency_samples, args.traffic_samples
     if args.replan is not None and args.keep is None:
         parser.error("--replan needs --keep: the directory the earlier run kept its recordings in")
     if args.remeasure and (args.keep is None or args.replan is not None):
@@ -1029,6 +1080,9 @@ def main(argv: list[str] | None = None) -> int:
     repeated = [r for r in rows if r["error_runs"]]
     if repeated:
         print_runs(repeated)
+    sampled = [r for r in rows if r["predicted"].get("ttft_p99_traffic_s")]
+    if sampled:
+        print_traffic(sampled)
     for row in rows:
         if row["setting"].startswith("in force"):
             print(f"{row['workload']}: {row['plan']['step_time']}; notes: {row['plan']['notes']}")
