@@ -67,6 +67,9 @@ loop workloads are planned with ``open_loop``.
     python benchmarks/plan_fidelity.py --keep runs --out first.json            # keep the recordings
     python benchmarks/plan_fidelity.py --keep runs --replan first.json --out again.json
                                                   # no engine run: plan the kept runs again
+    python benchmarks/plan_fidelity.py --keep runs --replan first.json --traffic-samples 12 --out t.json
+                                                  # and where each p99 falls among 12 fresh samples
+                                                  # of the open-loop clients' own process
 """
 
 from __future__ import annotations
