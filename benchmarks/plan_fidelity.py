@@ -457,6 +457,8 @@ LATENCY_SAMPLES = MIN_LATENCY_SAMPLES
 PLAN_FROM = "all"
 # Samples of an open-loop workload's clients' own process run through the plan (--traffic-samples).
 TRAFFIC_SAMPLES = 0
+# The TTFT quantiles set side by side, the engine's against the plan's on the very requests (a trace).
+TAIL_QUANTILES = (0.5, 0.9, 0.95, 0.98, 0.99, 0.999)
 
 
 def predict(
@@ -506,6 +508,7 @@ def predict(
                 "ttft_p99_draws_s": other_draws(candidate, ctx, workload, step_time),
                 # The clients' own process, sampled afresh, through the plan (with a trace only).
                 "ttft_p99_traffic_s": traffic_p99,
+                "ttft_quantiles_s": {str(q): res.ttft(q) if res else math.nan for q in TAIL_QUANTILES},
             }
         )
     about = {
@@ -693,6 +696,7 @@ def planned_rows(case: Case, runs: list[dict], workdir: Path) -> list[dict]:
     for r, pred, pred_traced in zip(runs, predicted, traced, strict=True):
         pred["ttft_p99_trace_s"] = pred_traced["ttft_p99_s"]
         pred["ttft_p99_traffic_s"] = pred_traced["ttft_p99_traffic_s"]
+        pred["ttft_quantiles_trace_s"] = pred_traced["ttft_quantiles_s"]
         rows.append(
             {
                 "workload": case.name,
@@ -864,6 +868,37 @@ def print_traffic(rows: list[dict]) -> None:
             f"({_pct(rel(predicted, median))} against their median)"
         )
     print(f"measured TTFT p99 within the span of the clients' process samples: {inside}/{len(rows)}")
+
+
+def engine_ttfts(measured: dict) -> list[float]:
+    """The engine's own TTFT of every request of a setting's runs (its request traces)."""
+    runs = measured.get("runs") or [measured]
+    return [x for run in runs for x in run.get("engine_ttfts_s", ())]
+
+
+def print_tail(rows: list[dict]) -> None:
+    """The engine's TTFT distribution against the plan's on the very same requests (planned with
+    their traces), quantile by quantile: where the two part, the model misses that part of the
+    distribution (a body that matches under a heavier measured tail: rare slow moments the model
+    lacks)."""
+    shown = [
+        (row, measured)
+        for row in rows
+        if row["predicted"].get("ttft_quantiles_trace_s") and (measured := engine_ttfts(row["measured"]))
+    ]
+    if not shown:
+        return
+    print()
+    print(
+        "TTFT by quantile, the engine's / the plan's on the very requests (trace), ms: "
+        + " ".join(f"p{q * 100:g}" for q in TAIL_QUANTILES)
+    )
+    for row, measured in shown:
+        planned = row["predicted"]["ttft_quantiles_trace_s"]
+        cells = [
+            f"{_ms1(quantile(measured, q))}/{_ms1(planned.get(str(q), math.nan))}" for q in TAIL_QUANTILES
+        ]
+        print(f"  {row['workload']:8} {row['setting'][:24]:24} {'  '.join(cells)}")
 
 
 def _draws(predicted: dict) -> str:
@@ -1086,6 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
     sampled = [r for r in rows if r["predicted"].get("ttft_p99_traffic_s")]
     if sampled:
         print_traffic(sampled)
+    print_tail(rows)
     for row in rows:
         if row["setting"].startswith("in force"):
             print(f"{row['workload']}: {row['plan']['step_time']}; notes: {row['plan']['notes']}")
