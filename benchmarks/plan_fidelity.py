@@ -456,7 +456,7 @@ LATENCY_SAMPLES = MIN_LATENCY_SAMPLES
 # The recordings of the settings in force given to the plan: "all" their runs', or the "first" one's.
 PLAN_FROM = "all"
 # Samples of an open-loop workload's clients' own process run through the plan (--traffic-samples).
-TRAFFIC_SAMPLES = 0
+TRAFFIC_SAMPLES: int | None = None
 # The TTFT quantiles set side by side, the engine's against the plan's on the very requests (a trace).
 TAIL_QUANTILES = (0.5, 0.9, 0.95, 0.98, 0.99, 0.999)
 
@@ -857,13 +857,11 @@ def print_traffic(rows: list[dict]) -> None:
         measured, predicted = row["measured"]["ttft_p99_engine_s"], row["predicted"]["ttft_p99_s"]
         below, n = rank_of(measured, finite)
         inside += bool(finite) and finite[0] <= measured <= finite[-1]
-        lo, mid, hi = (
-            (_ms1(finite[0]), _ms1(statistics.median(finite)), _ms1(finite[-1])) if finite else ("-",) * 3
-        )
-        spread = rel(finite[-1], finite[0]) if finite else math.nan
+        lo, hi = (finite[0], finite[-1]) if finite else (math.nan, math.nan)
         median = statistics.median(finite) if finite else math.nan
         print(
-            f"  {row['workload']:8} {row['setting'][:24]:24} {lo} {mid} {hi} (max {_pct(spread)} over min) "
+            f"  {row['workload']:8} {row['setting'][:24]:24} {_ms1(lo)} {_ms1(median)} {_ms1(hi)} "
+            f"(max {_pct(rel(hi, lo))} over min) "
             f"of {n}; measured {_ms1(measured)} above {below} of them; predicted {_ms1(predicted)} "
             f"({_pct(rel(predicted, median))} against their median)"
         )
@@ -1037,12 +1035,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--traffic-samples",
-        type=int,
-        default=0,
+        type=positive_int,
         metavar="N",
         help="for each open-loop setting, also run N fresh samples of the clients' own process (over the "
         "span of the traced requests) through the plan, and print where the measured TTFT p99 falls "
-        "among their p99s: how far the p99 moves with the sample of the traffic alone (default 0: none)",
+        "among their p99s: how far the p99 moves with the sample of the traffic alone (default: none)",
     )
     args = parser.parse_args(argv)
     global STEP_SPREAD, PLAN_FROM, DRAWS, LATENCY_SAMPLES, TRAFFIC_SAMPLES
