@@ -60,6 +60,7 @@ def worker_main(spec, rank: int, num_threads: int, parent_pid: int, conn) -> Non
     try:
         import torch
 
+        from kvpilot.engine.gc_heap import freeze_startup_heap
         from kvpilot.engine.parallel.rank import Rank
 
         if spec.device_type == "cpu":
@@ -84,8 +85,9 @@ def worker_main(spec, rank: int, num_threads: int, parent_pid: int, conn) -> Non
                 conn.send_bytes(encode(("ok", worker.load())))
             elif command == "plan":
                 conn.send_bytes(encode(("ok", (worker.plan_kv(), worker.num_cpu_blocks()))))
-            elif command == "allocate":
+            elif command == "allocate":  # the last start-up command: what lives now lives on
                 worker.allocate(*args)
+                freeze_startup_heap()
                 conn.send_bytes(encode(("ok", None)))
             elif command == "shutdown":
                 conn.send_bytes(encode(("ok", None)))
