@@ -102,7 +102,8 @@ except ImportError:  # run as a script: put the repository root on the path
     from tests.operator.test_plan_cli import FIXTURE
     from tests.operator.test_plan_cli import isvc as vllm_isvc
 
-from benchmarks.fidelity_traffic import rank_of, traffic_p99s  # the repository root is on the path
+from benchmarks import fidelity_cpu  # the repository root is on the path
+from benchmarks.fidelity_traffic import rank_of, traffic_p99s
 from kvpilot.engine import metrics_names as m
 from kvpilot.engine.config import to_cli_args
 from kvpilot.engine.server.cli import positive_int
@@ -602,10 +603,10 @@ def case_settings(
 
 def measure_run(workdir: Path, stem: str) -> dict[str, Any]:
     """What one kept run measured: its recording (``STEM.jsonl``), the engine's request trace
-    (``STEM.trace.jsonl``) and the clients' trips (``STEM.trips.json``: send, first token, end). Rates
-    run over the span of the requests, first sent to last answered (the plan's run: first arrival to
-    last step); without the trips, from the trace's first arrival to its last finish, and no
-    client-measured TTFT."""
+    (``STEM.trace.jsonl``), the clients' trips (``STEM.trips.json``: send, first token, end) and the
+    CPUs' shares while the load ran (``STEM.cpu.json``, ``fidelity_cpu``). Rates run over the span of
+    the requests, first sent to last answered (the plan's run: first arrival to last step); without
+    the trips, from the trace's first arrival to its last finish, and no client-measured TTFT."""
     record = [json.loads(line) for line in (workdir / f"{stem}.jsonl").read_text().splitlines()]
     trace = [json.loads(line) for line in (workdir / f"{stem}.trace.jsonl").read_text().splitlines()]
     trips_path = workdir / f"{stem}.trips.json"
@@ -626,6 +627,8 @@ def measure_run(workdir: Path, stem: str) -> dict[str, Any]:
     measured["ttft_p99_engine_s"] = quantile(engine_ttfts, 0.99)
     measured["engine_ttfts_s"] = [round(x, 7) for x in engine_ttfts]
     measured["num_requests"] = len(trips) if trips else len(trace)
+    # The share of the CPUs' time the hypervisor took while the load ran (NaN: not kept).
+    measured["cpu_steal"] = fidelity_cpu.read(workdir / f"{stem}.cpu.json")["steal"]
     return measured
 
 
@@ -648,7 +651,9 @@ def run_case(
                 # Each round's clients draw their own requests (seed + round), the same in every
                 # setting of the round: three rounds are three samples of the traffic, not one
                 # sample measured three times.
+                cpu_before = fidelity_cpu.cpu_times()
                 trips, _ = asyncio.run(drive(url, case.load, duration_s, seed + rep, record, case.name))
+                fidelity_cpu.write(workdir / f"{stem}.cpu.json", cpu_before, fidelity_cpu.cpu_times())
             finally:
                 stop_process(proc, signal.SIGTERM, 15)
             (workdir / f"{stem}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in record))
@@ -661,7 +666,8 @@ def run_case(
             f"  {'ran' if run else 'measured'} {case.name} / {setting.label}"
             + (f" (round {rep + 1} of {repeat})" if repeat > 1 else "")
             + f": {measured['num_requests']} requests, {measured['num_gpu_blocks']} blocks, TTFT p99 "
-            f"{measured['ttft_p99_engine_s'] * 1e3:.1f} ms, {measured['output_tokens_per_s']:.0f} tok/s",
+            f"{measured['ttft_p99_engine_s'] * 1e3:.1f} ms, {measured['output_tokens_per_s']:.0f} tok/s, "
+            f"CPU steal {_pct1(measured['cpu_steal'])}",
             flush=True,
         )
     for r, measured in zip(runs, measured_runs, strict=True):
@@ -772,6 +778,10 @@ def _pct(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x:+.0%}"
 
 
+def _pct1(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.1%}"
+
+
 def _ms(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{x * 1e3:.0f}"
 
@@ -824,7 +834,8 @@ def print_runs(rows: list[dict]) -> None:
             f"{_pct(row['error'].get('ttft_p99_engine_median_s', math.nan))}; all their requests "
             f"{_ms1(measured['ttft_p99_engine_s'])}{_draws(row['predicted'])}); tok/s "
             f"{' '.join(f'{x:.0f}' for x in tputs)} / "
-            f"{row['predicted']['output_tokens_per_s']:.0f} (within {spread_tput:.0%})"
+            f"{row['predicted']['output_tokens_per_s']:.0f} (within {spread_tput:.0%}); CPU steal "
+            f"{' '.join(_pct1(r.get('cpu_steal', math.nan)) for r in runs)}"
         )
         for error in row["error_runs"]:
             total += 1
