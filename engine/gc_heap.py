@@ -3,8 +3,8 @@
 After start-up a serving process holds a large, long-lived heap: the model's modules, the tokenizer,
 transformers' and torch's own tables, the app's routes. CPython's full (generation 2) collection
 walks every tracked object, so each one that runs while requests are served pauses every thread
-for the whole heap's walk: on this repository's tiny test model that is already tens of
-milliseconds, with the engine's step and every request's first token waiting behind it.
+for the whole heap's walk: with the test checkpoint about 413,000 objects and a quarter of a second
+(``benchmarks/gc_pause.py``), with the engine's step and every request's first token waiting.
 
 ``freeze_startup_heap`` collects once and moves what survives into the permanent generation, which
 collections skip: later passes walk only what serving itself allocates. vLLM does the same at the end
