@@ -520,6 +520,7 @@ def predict(
         "closed_loop": ctx.closed_loop,
         "client_turnaround_s": ctx.client_turnaround_s,
         "handling": ctx.handling.describe() if ctx.handling is not None else None,
+        "scrapes": ctx.scrapes.describe() if ctx.scrapes is not None else None,
         "notes": list(ctx.notes),
         "current": ctx.current.as_dict(),
     }
@@ -1132,7 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
     print_tail(rows)
     for row in rows:
         if row["setting"].startswith("in force"):
-            print(f"{row['workload']}: {row['plan']['step_time']}; notes: {row['plan']['notes']}")
+            plan = row["plan"]
+            scrapes = f"; {plan['scrapes']}" if plan.get("scrapes") else ""
+            print(f"{row['workload']}: {plan['step_time']}{scrapes}; notes: {plan['notes']}")
     write_report(args, rows, duration, earlier)
     print(f"wrote {args.out}")
     return 0

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpilot.engine import metrics_names as names
 from kvpilot.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLoggerBase
-from kvpilot.engine.step_metrics import ArrivalGaps, StepShapeCounters
+from kvpilot.engine.step_metrics import ArrivalGaps, StepShapeCounters, engine_histogram
 
 GiB = 1 << 30
 
@@ -218,6 +218,13 @@ class PrometheusStatLogger(StatLoggerBase):
             registry, (engine, model_name), int(model_config.get("max_num_seqs") or 1)
         )
         self.arrival_gaps = ArrivalGaps(registry, (engine, model_name))
+        self.render_seconds = engine_histogram(
+            registry,
+            (engine, model_name),
+            names.ENGINE_METRICS_RENDER_SECONDS,
+            "Seconds the server took to answer one /metrics scrape (routing, rendering, sending).",
+            names.METRICS_RENDER_BUCKETS,
+        )
 
         self._cache_config = dict(cache_config)
         self._cache_info = info(
@@ -377,6 +384,10 @@ class PrometheusStatLogger(StatLoggerBase):
         self._seen_prefix_hits = self._advance(
             self.prefix_hits, self._seen_prefix_hits, sched.prefix_cache_hits
         )
+
+    def record_scrape(self, seconds: float) -> None:
+        """One /metrics answer took the server ``seconds`` (seen from the next scrape on)."""
+        self.render_seconds.observe(seconds)
 
     def record_arrival(self, arrival_time: float) -> None:
         self.arrival_gaps.record(arrival_time)

@@ -144,6 +144,15 @@ ARRIVAL_GAP_BUCKETS = (
     0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003,
     0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+# Ours: the seconds the server took to answer one ``/metrics`` scrape (routing, rendering, sending). It
+# runs on the interpreter the engine's steps run on, so a step that meets a scrape ends that much later;
+# the count over time is how often the pod is scraped (every scraper together). The plan's simulation
+# takes these turns too.
+ENGINE_METRICS_RENDER_SECONDS = "kvpilot_engine_metrics_render_seconds"
+METRICS_RENDER_BUCKETS = (
+    0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.0045, 0.005, 0.006, 0.007, 0.008,
+    0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
 LABEL_PHASE = "phase"
 LABEL_NUM_SEQS = "num_seqs"
 PHASE_DECODE = "decode"
@@ -249,6 +258,7 @@ HISTOGRAMS = (
     ITERATION_TOKENS_TOTAL,
     ENGINE_STEP_TIME_RATIO,
     ENGINE_ARRIVAL_GAP_SECONDS,
+    ENGINE_METRICS_RENDER_SECONDS,
 )
 INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO, CONFIG_INFO, KV_POOL_INFO)
 ALL_METRICS = GAUGES + COUNTERS + HISTOGRAMS + INFO

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -79,6 +80,13 @@ class ServerMiddleware:
             if error is not None:
                 await error.response()(scope, receive, send_with_id)
                 return
+        if scope["path"] == "/metrics" and self.state.metrics is not None:
+            # A scrape is a turn of the server's on the interpreter the engine's steps share: time it
+            # whole (routing, rendering, sending) for kvpilot_engine_metrics_render_seconds.
+            start = time.perf_counter()
+            await self.app(scope, receive, send_with_id)
+            self.state.metrics.record_scrape(time.perf_counter() - start)
+            return
         await self.app(scope, receive, send_with_id)
 
 

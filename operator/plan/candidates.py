@@ -41,7 +41,7 @@ from typing import Any
 
 from kvpilot.operator.api.settings import Settings
 from kvpilot.operator.api.spec import ENGINE_KEYS
-from kvpilot.operator.plan.handling import HandlingTime
+from kvpilot.operator.plan.handling import HandlingTime, ScrapeTurns
 from kvpilot.operator.plan.simulate import (
     Arrival,
     EngineSettings,
@@ -121,6 +121,8 @@ class PlanContext:
     # The server's time on each request before it reaches the engine, one request at a time on the
     # engine's interpreter (handling.handling_time_of; None: none, a burst reaches the engine at once).
     handling: HandlingTime | None = None
+    # The server's turns on the /metrics scrapes (handling.scrape_turns_of; None: none modelled).
+    scrapes: ScrapeTurns | None = None
     # spec.remediation.slo.ttftP99Seconds: a candidate predicted above it is not picked (None: no SLO).
     ttft_slo_s: float | None = None
     # Added to every simulated TTFT: the part of the engine's measured TTFT the scheduler's clock does
@@ -189,6 +191,7 @@ def context_of(settings: Settings, workload: Workload, open_loop: bool = False) 
         closed_loop=closed_loop,
         client_turnaround_s=max(0.0, turnaround) if closed_loop else 0.0,
         handling=handling,
+        scrapes=workload.scrape_turns,
         ttft_slo_s=rem.ttft_p99_slo_s,
     )
 
@@ -319,6 +322,7 @@ def evaluate(
             max_in_flight=cap,
             client_turnaround_s=ctx.client_turnaround_s,
             handling=ctx.handling.draw if ctx.handling is not None else None,
+            scrapes=(ctx.scrapes.period_s, ctx.scrapes.render.draw) if ctx.scrapes is not None else None,
             seed=draw,
         )
 

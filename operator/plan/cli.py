@@ -230,6 +230,9 @@ def plan_document(
             # The server's time on each request (handling.HandlingTime; null: none modelled).
             "handling_mean_s": ctx.handling.mean_s if ctx.handling is not None else None,
             "handling_samples": ctx.handling.samples if ctx.handling is not None else 0,
+            # The server's turns on the /metrics scrapes (handling.ScrapeTurns; null: none modelled).
+            "scrape_period_s": ctx.scrapes.period_s if ctx.scrapes is not None else None,
+            "scrape_render_mean_s": ctx.scrapes.render.mean_s if ctx.scrapes is not None else None,
             "ttft_p99_slo_s": ctx.ttft_slo_s,
             "ttft_overhead_s": ctx.ttft_overhead_s,
             # The requests the latency quantiles rest on at least (--latency-samples).
@@ -292,6 +295,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         )
     if ctx.handling is not None:
         print(f"server: one request at a time, {ctx.handling.describe()}")
+    if ctx.scrapes is not None:
+        print(f"server: {ctx.scrapes.describe()}")
     for note in ctx.notes:
         print(f"note: {note}")
     print(format_table(results, ctx.current, chosen))

@@ -18,6 +18,18 @@ those gaps are the server's turns; longer ones are the clients' own spacing, whi
 already hold. Without such gaps (no burst in the recording, or a runtime that does not export them)
 there are no turns and a burst reaches the engine at once. The response's turn has no metric of its
 own: it is drawn from the same gaps.
+
+The server takes one more kind of turn: a ``/metrics`` scrape. Rendering some 500 samples in
+prometheus_client takes about 4.5 ms of the interpreter on the 2-core box (a scrape 6.6 ms all told,
+against 0.5 ms for ``/health``), and a step that overlaps it ends that much later. At light load,
+where a first token takes 5-30 ms, the requests that meet a scrape make up much of the slowest 2 %
+(22-29 % of them in the fidelity benchmark, which scrapes every second, against about 2 % of the rest).
+kvpilot's server times each scrape's answer, rendering and sending included
+(``kvpilot_engine_metrics_render_seconds``); its count over the recording's pod-seconds is how often
+the pod was scraped, by every scraper together, and
+:class:`ScrapeTurns` has the simulation take one such turn every period. A runtime that renders its
+metrics elsewhere than on its engine's interpreter (vLLM: the API server process) exports no such
+histogram, and no scrape turn is modelled.
 """
 
 from __future__ import annotations
@@ -34,6 +46,8 @@ from kvpilot.operator.remediation.metrics import Histogram
 MAX_TURN_SHARE = 0.5
 # Fewer short gaps than this say too little about the server's turn to draw from.
 MIN_HANDLING_SAMPLES = 3
+# Fewer renders than this say too little about a scrape's cost.
+MIN_SCRAPE_SAMPLES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +108,59 @@ def handling_time_of(
     return HandlingTime(tuple(out), total)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScrapeTurns:
+    """The server's turns on the ``/metrics`` scrapes: one every ``period_s``, each taking a render time
+    drawn from ``render``."""
+
+    period_s: float
+    render: HandlingTime
+
+    @property
+    def share(self) -> float:
+        """The share of the pod's time the scrapes hold the interpreter."""
+        return self.render.mean_s / self.period_s
+
+    def describe(self) -> str:
+        return (
+            f"a /metrics scrape every {self.period_s:.2f} s, {self.render.mean_s * 1e3:.2f} ms to answer "
+            f"on average ({self.render.samples:.0f} scrapes)"
+        )
+
+
+def scrape_turns_of(
+    renders: Histogram | None, pod_seconds: float, min_samples: float = MIN_SCRAPE_SAMPLES
+) -> ScrapeTurns | None:
+    """The scrape turns the render times ``renders`` show over ``pod_seconds`` (the recording's intervals
+    summed over its pods): a period of ``pod_seconds`` over the renders, each render uniform within its
+    bucket. None without a histogram, with ``pod_seconds`` not positive, or with fewer than
+    ``min_samples`` renders."""
+    if renders is None or not pod_seconds > 0:
+        return None
+    render = handling_time_of(renders, math.inf, min_samples)
+    if render is None:
+        return None
+    return ScrapeTurns(pod_seconds / render.samples, render)
+
+
 def without_turns(
-    model: LinearStepTime, turn: HandlingTime | None, num_requests: int, windows: Sequence[StepWindow]
+    model: LinearStepTime,
+    turn: HandlingTime | None,
+    num_requests: int,
+    windows: Sequence[StepWindow],
+    scrapes: ScrapeTurns | None = None,
 ) -> LinearStepTime:
     """``model`` less the server's turns: the recorded steps' wall time holds the turns that fell within
     them, and the simulation adds each turn where it falls, so the coefficients are scaled by one less
-    the share of the steps' time that two turns a recorded request make up (at most
-    ``MAX_TURN_SHARE``). ``model`` itself without a turn or without step time."""
+    the share of the steps' time that two turns a recorded request make up, and the scrapes' share of
+    the pod's time (a scrape falls within a step as often as the pod is busy; at most
+    ``MAX_TURN_SHARE`` in all). ``model`` itself without a turn or without step time."""
     seconds = sum(w.seconds for w in windows)
-    if turn is None or not seconds > 0:
+    if (turn is None and scrapes is None) or not seconds > 0:
         return model
-    keep = 1.0 - min(MAX_TURN_SHARE, 2 * turn.mean_s * num_requests / seconds)
+    share = 2 * turn.mean_s * num_requests / seconds if turn is not None else 0.0
+    share += scrapes.share if scrapes is not None else 0.0
+    keep = 1.0 - min(MAX_TURN_SHARE, share)
     return dataclasses.replace(
         model, a=model.a * keep, b=model.b * keep, c=model.c * keep, d=model.d * keep, e=model.e * keep
     )

@@ -1,6 +1,8 @@
 """The way requests reach a simulated engine (torch-free): when each is sent -- at its time, or once
 one of a closed loop's clients is free -- and the server's turns on it before and after the engine
-admits it (``simulate(handling=...)``, ``handling.HandlingTime``)."""
+admits it (``simulate(handling=...)``, ``handling.HandlingTime``) -- and the server's turns on the
+``/metrics`` scrapes, which come every so often whatever the requests do (``simulate(scrapes=...)``,
+``handling.ScrapeTurns``)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ class Ingest:
     server takes another turn to start its response (``respond``). The server does one thing at a time,
     on the interpreter the engine's steps also run on, so a step that overlaps the server's turns ends
     that much later (``step_end``). ``handling``: one turn's time at a quantile drawn from ``rng``
-    (None: no turns; a request reaches the engine when it is sent)."""
+    (None: no turns; a request reaches the engine when it is sent). ``scrapes``: (period in seconds,
+    one render's time at a quantile): a scrape every period, each a turn of the server's like a
+    request's, the first ``scrape_phase`` of a period after the first arrival (None: drawn from
+    ``rng``); None: no scrape turns."""
 
     def __init__(
         self,
@@ -27,6 +32,8 @@ class Ingest:
         max_in_flight: int | None,
         handling: Callable[[float], float] | None,
         rng: random.Random,
+        scrapes: tuple[float, Callable[[float], float]] | None = None,
+        scrape_phase: float | None = None,
     ) -> None:
         self.times = times
         # When each client can send again (max_in_flight of them; a min-heap): at once at first, then
@@ -37,6 +44,13 @@ class Ingest:
         self.next_index = 0  # the next arrival to send
         self.free_at = -math.inf  # when the server is done with what it has taken in
         self.handled: collections.deque[tuple[float, int]] = collections.deque()  # (stamp, index)
+        self.scrape_period, self.render = scrapes if scrapes is not None else (math.inf, None)
+        if scrapes is not None and not self.scrape_period > 0:
+            raise SimulationError(f"the scrape period must be > 0, got {self.scrape_period!r}")
+        self.next_scrape = math.inf  # when the next scrape comes (inf: none)
+        if scrapes is not None:
+            phase = rng.random() if scrape_phase is None else scrape_phase
+            self.next_scrape = (times[0] if times else 0.0) + phase * self.scrape_period
 
     def _draw(self) -> float:
         assert self.handling is not None
@@ -44,6 +58,25 @@ class Ingest:
         if not seconds >= 0.0:
             raise SimulationError(f"a request's handling time must be >= 0, got {seconds!r}")
         return seconds
+
+    def _render(self) -> float:
+        assert self.render is not None
+        seconds = self.render(self.rng.random())
+        if not seconds >= 0.0:
+            raise SimulationError(f"a scrape's render time must be >= 0, got {seconds!r}")
+        return seconds
+
+    def _scrape(self) -> float:
+        """Take the next scrape in: a turn after what the server is doing; returns its seconds."""
+        seconds = self._render()
+        self.free_at = max(self.free_at, self.next_scrape) + seconds
+        self.next_scrape += self.scrape_period
+        return seconds
+
+    def _scrapes_until(self, t: float) -> None:
+        """Take in every scrape that came by ``t``, in turn with the server's other work."""
+        while self.next_scrape <= t:
+            self._scrape()
 
     @property
     def pending(self) -> bool:
@@ -65,6 +98,7 @@ class Ingest:
         sent = self.next_sent()
         if self.clients_free_at is not None:
             heapq.heappop(self.clients_free_at)
+        self._scrapes_until(sent)
         begin = max(sent, self.free_at)
         seconds = self._draw() if self.handling is not None else 0.0
         self.free_at = begin + seconds
@@ -89,16 +123,21 @@ class Ingest:
     def respond(self, now: float) -> None:
         """The engine admitted a request at ``now``: the server starts its response, a turn of its own
         after what it is already doing."""
+        self._scrapes_until(now)
         if self.handling is not None:
             self.free_at = max(self.free_at, now) + self._draw()
 
     def step_end(self, now: float, engine_s: float) -> float:
         """When a step that starts at ``now`` and needs ``engine_s`` of the interpreter ends: after the
-        handling already under way, and after that of every arrival sent before it ends."""
+        handling already under way, and after that of every arrival sent and every scrape come before
+        it ends."""
+        self._scrapes_until(now)
         end = now + engine_s + max(0.0, self.free_at - now)
-        while self.next_sent() < end:
-            end += self.take()
-        return end
+        while True:
+            sent = self.next_sent()
+            if min(sent, self.next_scrape) >= end:
+                return end
+            end += self.take() if sent <= self.next_scrape else self._scrape()
 
     def finished(self, client_free_at: float) -> None:
         if self.clients_free_at is not None:

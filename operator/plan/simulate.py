@@ -26,6 +26,7 @@ Arrivals up to the start of a step are queued before it; with nothing to run the
 next arrival. Where the server's turns are modelled (``handling``), a request reaches the engine a
 turn after it is sent, behind the server's earlier turns, and takes another turn once admitted (its
 response starting); a step ends later by the server's time that falls within it (one interpreter).
+The ``/metrics`` scrapes (``scrapes``) are turns of the server's too, one every scrape period.
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def simulate(
     max_in_flight: int | None = None,
     client_turnaround_s: float = 0.0,
     handling: Callable[[float], float] | None = None,
+    scrapes: tuple[float, Callable[[float], float]] | None = None,
     seed: int = 0,
 ) -> SimResult:
     """Run ``arrivals`` (sorted by time here) through one simulated engine replica.
@@ -251,15 +253,20 @@ def simulate(
     time and shares the interpreter with the engine's steps (``ingest.Ingest``), so a burst of requests
     reaches the engine spread out, the step then running waits for the server to take all of them in,
     and the step that admits them waits for their responses to start (None: no turns; every request
-    reaches the engine when sent). ``seed``: the draws of a step-time
-    model that spreads single steps (``jittered``; a run with the same seed draws the same factors).
-    Raises SimulationError for an arrival the engine would refuse or a step time that is not positive.
+    reaches the engine when sent). ``scrapes``: (period, a render's time at a quantile): the server's
+    turns on the ``/metrics`` scrapes, one every period (``handling.ScrapeTurns``), which hold up the
+    step they fall in and the requests behind them like a request's turn (None: none). ``seed``: the
+    draws of a step-time model that spreads single steps (``jittered``; a run with the same seed draws
+    the same factors). Raises SimulationError for an arrival the engine would refuse or a step time
+    that is not positive.
     """
     ordered = sorted(arrivals, key=lambda a: a.time)
     if not client_turnaround_s >= 0.0:
         raise SimulationError(f"client_turnaround_s must be >= 0, got {client_turnaround_s!r}")
     # The handling times come from a stream of their own, apart from the step spread's.
-    ingest = Ingest([a.time for a in ordered], max_in_flight, handling, random.Random(f"handling-{seed}"))
+    ingest = Ingest(
+        [a.time for a in ordered], max_in_flight, handling, random.Random(f"handling-{seed}"), scrapes
+    )
     # The attention totals of each step, only for a model that prices them (one pass per step).
     shaped = getattr(step_time, "uses_attention_shape", True)
     factor_at = getattr(step_time, "factor_at", None)

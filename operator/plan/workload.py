@@ -65,7 +65,13 @@ from kvpilot.operator.plan.aggregates import (
     saturated,
     summed,
 )
-from kvpilot.operator.plan.handling import HandlingTime, handling_time_of, without_turns
+from kvpilot.operator.plan.handling import (
+    HandlingTime,
+    ScrapeTurns,
+    handling_time_of,
+    scrape_turns_of,
+    without_turns,
+)
 from kvpilot.operator.plan.lengths import LengthDistribution, bucket_spreads
 from kvpilot.operator.plan.pool import KVPool, pool_of
 from kvpilot.operator.plan.recording import Interval, PlanScrape, RecordingError, intervals_of
@@ -134,6 +140,9 @@ class Workload:
     # kvpilot_engine_arrival_gap_seconds over the recording (None: not exported): the short ones are
     # the server's time on each request of a burst (``handling_time``).
     arrival_gaps: Histogram | None = None
+    # kvpilot_engine_metrics_render_seconds over the recording (None: not exported): the server's
+    # turns on the /metrics scrapes (``scrape_turns``).
+    metrics_renders: Histogram | None = None
 
     @property
     def step_windows(self) -> tuple[StepWindow, ...]:
@@ -150,12 +159,21 @@ class Workload:
             model = with_jitter(model, ratios, scale_s=self.decode_step_s)
         else:
             model = with_variation(model, self.step_intervals)
-        return without_turns(model, self.handling_time, self.num_requests, self.step_windows)
+        return without_turns(
+            model, self.handling_time, self.num_requests, self.step_windows, self.scrape_turns
+        )
 
     @property
     def handling_time(self) -> HandlingTime | None:
         """The server's turn on a request, from the arrival gaps within a mean decode step."""
         return handling_time_of(self.arrival_gaps, self.decode_step_s)
+
+    @property
+    def scrape_turns(self) -> ScrapeTurns | None:
+        """The server's turns on the /metrics scrapes: the renders over the pods' recorded time."""
+        return scrape_turns_of(
+            self.metrics_renders, sum(end - begin for begin, end, _ in self.step_intervals)
+        )
 
     @property
     def decode_step_s(self) -> float:
@@ -332,4 +350,5 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         client_turnaround_s=client_turnaround(intervals) if paced else 0.0,
         step_time_ratio=summed(intervals, m.ENGINE_STEP_TIME_RATIO),
         arrival_gaps=summed(intervals, m.ENGINE_ARRIVAL_GAP_SECONDS),
+        metrics_renders=summed(intervals, m.ENGINE_METRICS_RENDER_SECONDS),
     )

@@ -656,3 +656,37 @@ def test_the_servers_turn_on_a_request_comes_from_the_short_arrival_gaps(tmp_pat
     old = workload_from_scrapes(read_recording(_write(tmp_path, plain, "plain.jsonl")))
     assert old.handling_time is None
     assert context_of(resolve(doc), old).client_turnaround_s == pytest.approx(0.1)
+
+
+def _with_renders(body: str, k: int) -> str:
+    """``body`` plus kvpilot's /metrics render times after ``k`` seconds: one render a second, 4-4.5 ms."""
+    lines = []
+    for le in (*m.METRICS_RENDER_BUCKETS, float("inf")):
+        bound = "+Inf" if le == float("inf") else str(le)
+        lines.append(
+            f'{m.ENGINE_METRICS_RENDER_SECONDS}_bucket{{engine="0",le="{bound}",model_name="m"}} '
+            f"{k if le >= 0.0045 else 0}"
+        )
+    lines.append(f'{m.ENGINE_METRICS_RENDER_SECONDS}_sum{{engine="0",model_name="m"}} {0.00425 * k}')
+    lines.append(f'{m.ENGINE_METRICS_RENDER_SECONDS}_count{{engine="0",model_name="m"}} {k}')
+    return body + "\n".join(lines) + "\n"
+
+
+def test_the_scrapes_come_from_the_render_times_and_leave_the_fit(tmp_path) -> None:
+    """One render a second, 4-4.5 ms: the simulation takes a 4.25 ms scrape turn every second, and the
+    fitted step time leaves out that 0.425 % of the pod's time. Without the histogram, no scrapes."""
+    from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.plan.candidates import context_of
+
+    bodies = [(1000.0 + k, "pod-a", _with_renders(_with_step_counters(_scrape(k), k), k)) for k in range(21)]
+    workload = workload_from_scrapes(read_recording(_write(tmp_path, bodies)))
+    assert workload.metrics_renders is not None and workload.metrics_renders.count == 20
+    turns = workload.scrape_turns
+    assert turns is not None
+    assert turns.period_s == pytest.approx(1.0) and turns.render.mean_s == pytest.approx(0.00425)
+    fitted = fit_step_time(workload.step_windows)
+    assert workload.step_time().a == pytest.approx(fitted.a * (1 - 0.00425))
+    assert context_of(resolve(_isvc({"maxModelLen": 512})), workload).scrapes == turns
+    plain = [(1000.0 + k, "pod-a", _with_step_counters(_scrape(k), k)) for k in range(21)]
+    old = workload_from_scrapes(read_recording(_write(tmp_path, plain, "plain.jsonl")))
+    assert old.scrape_turns is None and old.step_time().a == pytest.approx(fitted.a)

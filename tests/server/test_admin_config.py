@@ -11,6 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.engine import metrics_names as names
+
 from .conftest import MODEL_NAME, ServerProcess
 
 KEY = "admin-key-0123456789"
@@ -164,3 +166,18 @@ def test_lowering_max_num_seqs_under_load_preempts_to_the_bound_and_loses_nothin
     # Every block back in the pool once the requests are done.
     assert value(url, "vllm:kv_cache_usage_perc") == 0.0
     assert value(url, "vllm:num_requests_running") == value(url, "vllm:num_requests_waiting") == 0
+
+
+def test_every_scrape_is_timed_and_shows_from_the_next_one(admin_server) -> None:
+    """``kvpilot_engine_metrics_render_seconds`` counts each /metrics render: a scrape shows those
+    before it, so two scrapes in a row differ by one render, which took some time but not a second."""
+    count, total = (
+        f"{names.ENGINE_METRICS_RENDER_SECONDS}_count",
+        f"{names.ENGINE_METRICS_RENDER_SECONDS}_sum",
+    )
+    first = samples(admin_server.url)
+    second = samples(admin_server.url)
+    assert sum(s.value for s in second[count]) == sum(s.value for s in first[count]) + 1
+    took = sum(s.value for s in second[total]) - sum(s.value for s in first[total])
+    assert 0.0 < took < 1.0
+    assert {s.labels["model_name"] for s in second[count]} == {s.labels["model_name"] for s in first[count]}
