@@ -20,8 +20,9 @@ there are no turns and a burst reaches the engine at once. The response's turn h
 own: it is drawn from the same gaps.
 
 The server takes one more kind of turn: a ``/metrics`` scrape. Rendering some 500 samples in
-prometheus_client takes about 4.5 ms of the interpreter on the 2-core box (a scrape 6.6 ms all told,
-against 0.5 ms for ``/health``), and a step that overlaps it ends that much later. At light load,
+prometheus_client takes about 4.5 ms of the interpreter on the 2-core box, and the server's whole
+answer 7.3-7.7 ms on average in the fidelity benchmark's runs (``/health``: 0.5 ms); a step that
+overlaps it ends that much later. At light load,
 where a first token takes 5-30 ms, the requests that meet a scrape make up much of the slowest 2 %
 (22-29 % of them in the fidelity benchmark, which scrapes every second, against about 2 % of the rest).
 kvpilot's server times each scrape's answer, rendering and sending included
