@@ -52,23 +52,21 @@ class Ingest:
             phase = rng.random() if scrape_phase is None else scrape_phase
             self.next_scrape = (times[0] if times else 0.0) + phase * self.scrape_period
 
-    def _draw(self) -> float:
-        assert self.handling is not None
-        seconds = self.handling(self.rng.random())
+    def _turn(self, draw: Callable[[float], float] | None, what: str) -> float:
+        """One turn's seconds from ``draw`` at a quantile of this stream; ``what`` names it in the
+        error for a negative one."""
+        assert draw is not None
+        seconds = draw(self.rng.random())
         if not seconds >= 0.0:
-            raise SimulationError(f"a request's handling time must be >= 0, got {seconds!r}")
+            raise SimulationError(f"{what} must be >= 0, got {seconds!r}")
         return seconds
 
-    def _render(self) -> float:
-        assert self.render is not None
-        seconds = self.render(self.rng.random())
-        if not seconds >= 0.0:
-            raise SimulationError(f"a scrape's render time must be >= 0, got {seconds!r}")
-        return seconds
+    def _draw(self) -> float:
+        return self._turn(self.handling, "a request's handling time")
 
     def _scrape(self) -> float:
         """Take the next scrape in: a turn after what the server is doing; returns its seconds."""
-        seconds = self._render()
+        seconds = self._turn(self.render, "a scrape's render time")
         self.free_at = max(self.free_at, self.next_scrape) + seconds
         self.next_scrape += self.scrape_period
         return seconds

@@ -5,7 +5,6 @@ the interpreter the engine's steps and the requests' turns share (``ingest.Inges
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -13,32 +12,17 @@ import pytest
 
 from kvpilot.operator.plan.handling import HandlingTime, ScrapeTurns, scrape_turns_of, without_turns
 from kvpilot.operator.plan.ingest import Ingest
-from kvpilot.operator.plan.simulate import Arrival, EngineSettings, SimulationError, simulate
+from kvpilot.operator.plan.simulate import Arrival, SimulationError, simulate
 from kvpilot.operator.plan.step_time import LinearStepTime, StepWindow
 from kvpilot.operator.remediation.metrics import Histogram
-
-SETTINGS = EngineSettings(
-    num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class FixedStep:
-    """Every step takes 1 s."""
-
-    def step_seconds(self, num_batched_tokens: int, num_seqs: int, *shape: int) -> float:
-        return 1.0
-
-
-def _fixed(seconds: float):
-    return lambda u: seconds
+from tests.operator.test_plan_handling import SETTINGS, FixedStep, _turn
 
 
 def test_a_step_ends_later_by_every_scrape_that_comes_before_it_ends() -> None:
     """Scrapes every 1 s from 0.5, 0.25 s each. A 1 s step from 0 meets the one at 0.5: it ends at
     1.25. The next, from 1.25, meets the one at 1.5 and ends at 2.5, just as the one at 2.5 comes, so
     the step from 2.5 waits for that one and meets the one at 3.5 too: it ends at 4.0."""
-    ingest = Ingest([], None, None, random.Random(0), scrapes=(1.0, _fixed(0.25)), scrape_phase=0.5)
+    ingest = Ingest([], None, None, random.Random(0), scrapes=(1.0, _turn(0.25)), scrape_phase=0.5)
     assert ingest.step_end(0.0, 1.0) == pytest.approx(1.25)
     assert ingest.step_end(1.25, 1.0) == pytest.approx(2.5)
     assert ingest.step_end(2.5, 1.0) == pytest.approx(4.0)
@@ -51,10 +35,10 @@ def test_a_request_sent_during_a_scrape_is_taken_in_after_it() -> None:
     """Requests sent at 0, 0.2 and 0.6, a scrape at 0.5 rendering until 0.75. With a 0.1 s turn each,
     the first two are in at 0.1 and 0.3; the third, sent during the scrape, takes its turn after it
     and reaches the engine at 0.85. Without turns of their own, it is in once the scrape is done."""
-    turned = Ingest([0.0, 0.2, 0.6], None, _fixed(0.1), random.Random(0), (1.0, _fixed(0.25)), 0.5)
+    turned = Ingest([0.0, 0.2, 0.6], None, _turn(0.1), random.Random(0), (1.0, _turn(0.25)), 0.5)
     turned.take_until(1.0)
     assert [stamp for stamp, _ in turned.reached(1.0)] == pytest.approx([0.1, 0.3, 0.85])
-    unturned = Ingest([0.0, 0.2, 0.6], None, None, random.Random(0), (1.0, _fixed(0.25)), 0.5)
+    unturned = Ingest([0.0, 0.2, 0.6], None, None, random.Random(0), (1.0, _turn(0.25)), 0.5)
     unturned.take_until(1.0)
     assert [stamp for stamp, _ in unturned.reached(1.0)] == pytest.approx([0.0, 0.2, 0.75])
 
@@ -66,22 +50,22 @@ def test_scrapes_raise_the_first_tokens_they_meet_and_follow_the_seed() -> None:
     arrivals = [Arrival(2.0 * i, 8, 1) for i in range(200)]
     plain = simulate(SETTINGS, arrivals, FixedStep())
     assert set(plain.ttft_s) == {1.0}
-    scraped = simulate(SETTINGS, arrivals, FixedStep(), scrapes=(3.0, _fixed(0.3)), seed=1)
+    scraped = simulate(SETTINGS, arrivals, FixedStep(), scrapes=(3.0, _turn(0.3)), seed=1)
     met = [t for t in scraped.ttft_s if t > 1.0 + 1e-9]
     assert met and max(met) == pytest.approx(1.3) and min(met) > 1.0
     assert len(met) / len(scraped.ttft_s) == pytest.approx(1 / 3, abs=0.02)
     assert min(scraped.ttft_s) == pytest.approx(1.0)
-    again = simulate(SETTINGS, arrivals, FixedStep(), scrapes=(3.0, _fixed(0.3)), seed=1)
-    other = simulate(SETTINGS, arrivals, FixedStep(), scrapes=(3.0, _fixed(0.3)), seed=2)
+    again = simulate(SETTINGS, arrivals, FixedStep(), scrapes=(3.0, _turn(0.3)), seed=1)
+    other = simulate(SETTINGS, arrivals, FixedStep(), scrapes=(3.0, _turn(0.3)), seed=2)
     assert again.ttft_s == scraped.ttft_s and other.ttft_s != scraped.ttft_s
 
 
 def test_a_bad_scrape_period_or_render_is_refused() -> None:
     arrivals = [Arrival(0.0, 8, 2)]
     with pytest.raises(SimulationError, match="scrape period"):
-        simulate(SETTINGS, arrivals, FixedStep(), scrapes=(0.0, _fixed(0.1)))
+        simulate(SETTINGS, arrivals, FixedStep(), scrapes=(0.0, _turn(0.1)))
     with pytest.raises(SimulationError, match="render time"):
-        simulate(SETTINGS, arrivals, FixedStep(), scrapes=(0.5, _fixed(-0.1)))
+        simulate(SETTINGS, arrivals, FixedStep(), scrapes=(0.5, _turn(-0.1)))
 
 
 def _renders(*counts: tuple[float, float]) -> Histogram:
