@@ -14,8 +14,7 @@ from kvpilot.operator.plan.handling import HandlingTime, ScrapeTurns, scrape_tur
 from kvpilot.operator.plan.ingest import Ingest
 from kvpilot.operator.plan.simulate import Arrival, SimulationError, simulate
 from kvpilot.operator.plan.step_time import LinearStepTime, StepWindow
-from kvpilot.operator.remediation.metrics import Histogram
-from tests.operator.test_plan_handling import SETTINGS, FixedStep, _turn
+from tests.operator.test_plan_handling import SETTINGS, FixedStep, _gaps, _turn
 
 
 def test_a_step_ends_later_by_every_scrape_that_comes_before_it_ends() -> None:
@@ -68,18 +67,9 @@ def test_a_bad_scrape_period_or_render_is_refused() -> None:
         simulate(SETTINGS, arrivals, FixedStep(), scrapes=(0.5, _turn(-0.1)))
 
 
-def _renders(*counts: tuple[float, float]) -> Histogram:
-    """A render-time histogram with ``counts`` (upper bound, observations in that bucket), +Inf last."""
-    buckets, cumulative = [], 0.0
-    for le, count in counts:
-        cumulative += count
-        buckets.append((le, cumulative))
-    return Histogram(tuple(buckets), 0.0, cumulative)
-
-
 def test_scrape_turns_from_the_render_times_over_the_pods_time() -> None:
     """60 renders over 120 pod-seconds: a scrape every 2 s, 4-5 ms three times in four, 5-6 ms once."""
-    turns = scrape_turns_of(_renders((0.004, 0), (0.005, 45), (0.006, 15), (math.inf, 0)), 120.0)
+    turns = scrape_turns_of(_gaps((0.004, 0), (0.005, 45), (0.006, 15), (math.inf, 0)), 120.0)
     assert turns is not None
     assert turns.period_s == pytest.approx(2.0)
     assert turns.render.pieces == ((0.75, 0.004, 0.005), (1.0, 0.005, 0.006))
@@ -87,9 +77,9 @@ def test_scrape_turns_from_the_render_times_over_the_pods_time() -> None:
     assert turns.share == pytest.approx(turns.render.mean_s / 2.0)
     assert "every 2.00 s" in turns.describe() and "60 scrapes" in turns.describe()
     # Too few renders, no histogram or no time: none.
-    assert scrape_turns_of(_renders((0.005, 2), (math.inf, 2)), 120.0) is None
+    assert scrape_turns_of(_gaps((0.005, 2), (math.inf, 2)), 120.0) is None
     assert scrape_turns_of(None, 120.0) is None
-    assert scrape_turns_of(_renders((0.005, 60), (math.inf, 60)), 0.0) is None
+    assert scrape_turns_of(_gaps((0.005, 60), (math.inf, 60)), 0.0) is None
 
 
 def test_the_fit_leaves_out_the_scrapes_share_of_the_time() -> None:
