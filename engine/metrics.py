@@ -225,6 +225,14 @@ class PrometheusStatLogger(StatLoggerBase):
             "Seconds the server took to answer one /metrics scrape (routing, rendering, sending).",
             names.METRICS_RENDER_BUCKETS,
         )
+        self.intake_seconds = engine_histogram(
+            registry,
+            (engine, model_name),
+            names.ENGINE_REQUEST_INTAKE_SECONDS,
+            "Seconds the server took to take in one generation request it had to itself, from reaching "
+            "the application to its hand-off to the engine.",
+            names.REQUEST_INTAKE_BUCKETS,
+        )
 
         self._cache_config = dict(cache_config)
         self._cache_info = info(
@@ -388,6 +396,10 @@ class PrometheusStatLogger(StatLoggerBase):
     def record_scrape(self, seconds: float) -> None:
         """One /metrics answer took the server ``seconds`` (seen from the next scrape on)."""
         self.render_seconds.observe(seconds)
+
+    def record_intake(self, seconds: float) -> None:
+        """The server took ``seconds`` to take in one request it had to itself."""
+        self.intake_seconds.observe(seconds)
 
     def record_arrival(self, arrival_time: float) -> None:
         self.arrival_gaps.record(arrival_time)

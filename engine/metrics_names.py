@@ -153,6 +153,13 @@ METRICS_RENDER_BUCKETS = (
     0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.0045, 0.005, 0.006, 0.007, 0.008,
     0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
+# Ours: the seconds the server took to take in one generation request it had to itself (no other in
+# intake meanwhile): from the request reaching the application to its hand-off to the engine (routing,
+# reading and validating the body, tokenizing, building its inputs). A burst reaches the engine spread
+# out by such turns, and a step that meets one ends that much later; the plan's simulation draws its
+# server turns from these, every request a sample, where the arrival gaps hold only the bursts'.
+ENGINE_REQUEST_INTAKE_SECONDS = "kvpilot_engine_request_intake_seconds"
+REQUEST_INTAKE_BUCKETS = ARRIVAL_GAP_BUCKETS
 LABEL_PHASE = "phase"
 LABEL_NUM_SEQS = "num_seqs"
 PHASE_DECODE = "decode"
@@ -259,6 +266,7 @@ HISTOGRAMS = (
     ENGINE_STEP_TIME_RATIO,
     ENGINE_ARRIVAL_GAP_SECONDS,
     ENGINE_METRICS_RENDER_SECONDS,
+    ENGINE_REQUEST_INTAKE_SECONDS,
 )
 INFO = (CACHE_CONFIG_INFO, MODEL_CONFIG_INFO, CONFIG_INFO, KV_POOL_INFO)
 ALL_METRICS = GAUGES + COUNTERS + HISTOGRAMS + INFO

@@ -33,6 +33,7 @@ from kvpilot.engine.server.errors import (
     from_exception,
     refusal_reason,
 )
+from kvpilot.engine.server.intake import GENERATION_PATHS
 from kvpilot.engine.server.serving import ServerState
 from kvpilot.engine.server.streaming import load_stream_backend
 
@@ -80,7 +81,17 @@ class ServerMiddleware:
             if error is not None:
                 await error.response()(scope, receive, send_with_id)
                 return
+        if scope["path"] in GENERATION_PATHS and scope["method"] == "POST" and self.state.metrics is not None:
+            # Timed up to the hand-off to the engine (serving.submit): kvpilot_engine_request_intake_seconds.
+            intake = self.state.intakes.begin()
+            scope["state"]["intake"] = intake
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                self.state.intakes.end(intake)  # failed before the hand-off: not counted
+            return
         if scope["path"] == "/metrics" and self.state.metrics is not None:
+            self.state.intakes.interrupt()
             # A scrape is a turn of the server's on the interpreter the engine's steps share: time it
             # whole (routing, rendering, sending) for kvpilot_engine_metrics_render_seconds.
             start = time.perf_counter()

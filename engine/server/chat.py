@@ -65,7 +65,10 @@ async def create_chat_completion(state: ServerState, body: dict[str, Any], reque
 
     request_id = new_id("chatcmpl")
     rs = await submit(
-        state, [PromptInput(request_id, prompt_ids, params, time.monotonic(), context)], stream=req.stream
+        state,
+        [PromptInput(request_id, prompt_ids, params, time.monotonic(), context)],
+        stream=req.stream,
+        request=request,
     )
     if req.stream:
         return SSEResponse(_stream(state, req, plan, model, request_id, len(prompt_ids), rs))

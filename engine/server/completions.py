@@ -45,7 +45,7 @@ async def create_completion(state: ServerState, body: dict[str, Any], request: R
         PromptInput(rid, ids, params, arrival, _CONTEXT)
         for rid, (_, ids) in zip(request_ids, prompts, strict=True)
     ]
-    rs = await submit(state, inputs, stream=req.stream)
+    rs = await submit(state, inputs, stream=req.stream, request=request)
     if req.stream:
         return SSEResponse(_stream(state, req, model, request_id, request_ids, prompts, rs))
     finals = await collect_final(state, rs, request)

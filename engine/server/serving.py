@@ -19,6 +19,7 @@ from kvpilot.engine.async_engine import AsyncEngine, PromptInput, RequestStream
 from kvpilot.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.server.errors import APIError, ClientDisconnected, from_exception
+from kvpilot.engine.server.intake import Intakes
 from kvpilot.engine.server.limits import RequestLimits
 from kvpilot.engine.server.startup_inputs import normalize_api_key
 
@@ -51,6 +52,7 @@ class ServerState:
     tool_call_parser: str | None = None  # --tool-call-parser: a key of tool_parsers.PARSERS
     limits: RequestLimits = field(default_factory=RequestLimits)
     created: int = field(default_factory=lambda: int(time.time()))
+    intakes: Intakes = field(default_factory=Intakes, repr=False)
     _token_text: dict[int, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,9 +113,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def submit(state: ServerState, inputs: list[PromptInput], stream: bool) -> RequestStream:
+async def submit(
+    state: ServerState, inputs: list[PromptInput], stream: bool, request: Request | None = None
+) -> RequestStream:
     """Queue the requests; the engine's refusals (its typed errors) become HTTP errors. Any other
-    exception propagates: the application answers it with a logged 500."""
+    exception propagates: the application answers it with a logged 500. With ``request``, its intake
+    ends here, at the hand-off (``kvpilot_engine_request_intake_seconds``)."""
+    intake = getattr(request.state, "intake", None) if request is not None else None
+    if intake is not None:
+        seconds = state.intakes.end(intake)
+        if seconds is not None and state.metrics is not None:
+            state.metrics.record_intake(seconds)
     if logger.isEnabledFor(logging.DEBUG):
         first = inputs[0]
         logger.debug(

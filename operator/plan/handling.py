@@ -1,4 +1,4 @@
-"""The server's turn on one request, from the recorded arrival gaps (torch-free).
+"""The server's turns: on a request, from its timed intakes or the arrival gaps, and on a scrape; torch-free.
 
 kvpilot's server parses and tokenizes requests one at a time, on the interpreter its engine's steps
 also run on, and once the engine has admitted a request it starts that request's response there too.
@@ -11,13 +11,18 @@ one before it; the step that admitted the burst 3.2 ms against 1.3 ms for the ne
 eight sequences, about 0.26 ms more a request. The simulation models both turns
 (``simulate(handling=...)``), drawing each from :class:`HandlingTime`.
 
-The engine exports the gap between consecutive arrivals (``kvpilot_engine_arrival_gap_seconds``). The
-gaps shorter than the recording's mean decode step are requests that came while the server was taking
-in the one before -- the engine would have run them in the same step had they come together -- so
-those gaps are the server's turns; longer ones are the clients' own spacing, which the arrivals
-already hold. Without such gaps (no burst in the recording, or a runtime that does not export them)
+kvpilot's server times each request it takes in alone, from reaching the application to its hand-off
+to the engine (``kvpilot_engine_request_intake_seconds``): every request that meets no other is a
+sample, however the clients send, and :func:`intake_time_of` draws the turns from those. A recording
+without them (a runtime or release that does not export them) falls back to the arrival gaps
+(``kvpilot_engine_arrival_gap_seconds``): the gaps shorter than the recording's mean decode step are
+requests that came while the server was taking in the one before -- the engine would have run them in
+the same step had they come together -- so those gaps are the server's turns; longer ones are the
+clients' own spacing, which the arrivals already hold. Only a burst gives such a gap, and a storm that
+preempts seldom sends one (six in one 25-second run of the fidelity benchmark's, against XXX
+timed intakes); the gaps also stop at the decode step, so the turns' tail is lost. Without either
 there are no turns and a burst reaches the engine at once. The response's turn has no metric of its
-own: it is drawn from the same gaps.
+own: it is drawn from the same distribution.
 
 The server takes one more kind of turn: a ``/metrics`` scrape. Rendering some 500 samples in
 prometheus_client takes about 4.5 ms of the interpreter on the 2-core box, and the server's whole
@@ -57,7 +62,8 @@ class HandlingTime:
     per gap bucket, uniform within its bounds."""
 
     pieces: tuple[tuple[float, float, float], ...]
-    samples: float  # the recorded gaps the pieces were built from
+    samples: float  # the recorded times the pieces were built from
+    source: str = "short arrival gaps"  # what those times were
 
     @property
     def mean_s(self) -> float:
@@ -79,7 +85,7 @@ class HandlingTime:
     def describe(self) -> str:
         return (
             f"a turn of {self.mean_s * 1e3:.2f} ms on average before a request reaches the engine and "
-            f"another once it is admitted ({self.samples:.0f} short arrival gaps)"
+            f"another once it is admitted ({self.samples:.0f} {self.source})"
         )
 
 
@@ -107,6 +113,16 @@ def handling_time_of(
         running += count
         out.append((min(1.0, running / total), low, high))
     return HandlingTime(tuple(out), total)
+
+
+def intake_time_of(
+    intakes: Histogram | None, min_samples: float = MIN_HANDLING_SAMPLES
+) -> HandlingTime | None:
+    """The handling time the timed intakes ``intakes`` show, each bucket uniform from the bound below
+    it, all of them (an intake is the server's own time, however long). None without a histogram or
+    with fewer than ``min_samples`` intakes."""
+    timed = handling_time_of(intakes, math.inf, min_samples)
+    return dataclasses.replace(timed, source="timed intakes") if timed is not None else None
 
 
 @dataclasses.dataclass(frozen=True)

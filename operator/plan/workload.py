@@ -69,6 +69,7 @@ from kvpilot.operator.plan.handling import (
     HandlingTime,
     ScrapeTurns,
     handling_time_of,
+    intake_time_of,
     scrape_turns_of,
     without_turns,
 )
@@ -143,6 +144,9 @@ class Workload:
     # kvpilot_engine_metrics_render_seconds over the recording (None: not exported): the server's
     # turns on the /metrics scrapes (``scrape_turns``).
     metrics_renders: Histogram | None = None
+    # kvpilot_engine_request_intake_seconds over the recording (None: not exported): the server's time
+    # on each request it took in alone, which ``handling_time`` prefers to the short arrival gaps.
+    request_intakes: Histogram | None = None
 
     @property
     def step_windows(self) -> tuple[StepWindow, ...]:
@@ -165,8 +169,10 @@ class Workload:
 
     @property
     def handling_time(self) -> HandlingTime | None:
-        """The server's turn on a request, from the arrival gaps within a mean decode step."""
-        return handling_time_of(self.arrival_gaps, self.decode_step_s)
+        """The server's turn on a request: from the timed intakes where the recording has enough, else
+        from the arrival gaps within a mean decode step."""
+        timed = intake_time_of(self.request_intakes)
+        return timed if timed is not None else handling_time_of(self.arrival_gaps, self.decode_step_s)
 
     @property
     def scrape_turns(self) -> ScrapeTurns | None:
@@ -351,4 +357,5 @@ def workload_from_scrapes(scrapes: Sequence[PlanScrape]) -> Workload:
         step_time_ratio=summed(intervals, m.ENGINE_STEP_TIME_RATIO),
         arrival_gaps=summed(intervals, m.ENGINE_ARRIVAL_GAP_SECONDS),
         metrics_renders=summed(intervals, m.ENGINE_METRICS_RENDER_SECONDS),
+        request_intakes=summed(intervals, m.ENGINE_REQUEST_INTAKE_SECONDS),
     )

@@ -6,15 +6,18 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from kvpilot.engine import metrics_names as m
+from kvpilot.operator.plan.handling import intake_time_of
 from kvpilot.operator.plan.pool import KVPool
 from kvpilot.operator.plan.recording import RecordingError, intervals_of, read_recording
 from kvpilot.operator.plan.step_time import fit_step_time
 from kvpilot.operator.plan.workload import workload_from_scrapes
+from kvpilot.operator.remediation.metrics import Histogram
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-0.32-cpu-storm.jsonl.gz"
 ISVC = {"metadata": {"name": "llm", "namespace": "llm"}}
@@ -690,3 +693,48 @@ def test_the_scrapes_come_from_the_render_times_and_leave_the_fit(tmp_path) -> N
     plain = [(1000.0 + k, "pod-a", _with_step_counters(_scrape(k), k)) for k in range(21)]
     old = workload_from_scrapes(read_recording(_write(tmp_path, plain, "plain.jsonl")))
     assert old.scrape_turns is None and old.step_time().a == pytest.approx(fitted.a)
+
+
+def _with_intakes(body: str, k: int) -> str:
+    """``body`` plus kvpilot's timed intakes after ``k`` seconds: each second two of 0.4-0.5 ms and one
+    of 10-25 ms (a turn that met a slow moment; longer than the decode step, and still the server's)."""
+    per_s = {0.0005: 2, 0.025: 1}
+    lines, cumulative = [], 0.0
+    for le in (*m.REQUEST_INTAKE_BUCKETS, float("inf")):
+        cumulative += per_s.get(le, 0) * k
+        bound = "+Inf" if le == float("inf") else str(le)
+        lines.append(
+            f'{m.ENGINE_REQUEST_INTAKE_SECONDS}_bucket{{engine="0",le="{bound}",model_name="m"}} {cumulative}'
+        )
+    lines.append(f'{m.ENGINE_REQUEST_INTAKE_SECONDS}_sum{{engine="0",model_name="m"}} {0.0184 * k}')
+    lines.append(f'{m.ENGINE_REQUEST_INTAKE_SECONDS}_count{{engine="0",model_name="m"}} {3 * k}')
+    return body + "\n".join(lines) + "\n"
+
+
+def test_the_timed_intakes_give_the_servers_turn_over_the_arrival_gaps(tmp_path) -> None:
+    """With both histograms the turn comes from the intakes, all of them: the 10-25 ms ones are past the
+    decode step (10 ms), where the gaps would stop, and still the server's own time (6.3 ms on
+    average). Without them, or with fewer than three, the gaps give it."""
+    from kvpilot.operator.api.settings import resolve
+    from kvpilot.operator.plan.candidates import context_of
+
+    def recording(name: str, intakes: bool):
+        bodies = []
+        for k in range(21):
+            body = _with_step_counters(_scrape(k, in_flight=8, waiting=6, e2e_s=1.5), k)
+            body = _with_arrival_gaps(body, k)
+            bodies.append((1000.0 + k, "pod-a", _with_intakes(body, k) if intakes else body))
+        return workload_from_scrapes(read_recording(_write(tmp_path, bodies, name)))
+
+    workload = recording("both.jsonl", intakes=True)
+    handling = workload.handling_time
+    assert handling is not None and handling.samples == 60 and handling.source == "timed intakes"
+    assert handling.pieces == ((2 / 3, 0.00040, 0.0005), (1.0, 0.01, 0.025))
+    assert handling.mean_s == pytest.approx((2 * 0.00045 + 0.0175) / 3)
+    assert "60 timed intakes" in handling.describe()
+    assert context_of(resolve(_isvc({"maxModelLen": 512})), workload).handling == handling
+    gaps = recording("gaps.jsonl", intakes=False).handling_time
+    assert gaps is not None and gaps.source == "short arrival gaps" and gaps.samples == 80
+    two = Histogram(((0.0005, 2.0), (math.inf, 2.0)), 0.0009, 2.0)
+    assert intake_time_of(two) is None
+    assert dataclasses.replace(workload, request_intakes=two).handling_time == gaps

@@ -181,3 +181,23 @@ def test_every_scrape_is_timed_and_shows_from_the_next_one(admin_server) -> None
     took = sum(s.value for s in second[total]) - sum(s.value for s in first[total])
     assert took > 0.0
     assert {s.labels["model_name"] for s in second[count]} == {s.labels["model_name"] for s in first[count]}
+
+
+def test_each_request_the_server_had_to_itself_is_timed_up_to_its_hand_off(admin_server) -> None:
+    """``kvpilot_engine_request_intake_seconds`` counts one intake per generation call taken in alone
+    (completions and chat alike); a call refused before its hand-off to the engine counts none."""
+    count, total = (
+        f"{names.ENGINE_REQUEST_INTAKE_SECONDS}_count",
+        f"{names.ENGINE_REQUEST_INTAKE_SECONDS}_sum",
+    )
+    url = admin_server.url
+    before = (value(url, count), value(url, total))
+    body = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=body, headers=auth(), timeout=30).status_code == 200
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(url + "/v1/chat/completions", json=chat, headers=auth(), timeout=30).status_code == 200
+    refused = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": -1}
+    assert httpx.post(url + "/v1/completions", json=refused, headers=auth(), timeout=30).status_code == 400
+    after = (value(url, count), value(url, total))
+    assert after[0] == before[0] + 2
+    assert after[1] > before[1]
