@@ -119,7 +119,8 @@ class PlanContext:
     # (workload.client_turnaround_s).
     client_turnaround_s: float = 0.0
     # The server's time on each request before it reaches the engine, one request at a time on the
-    # engine's interpreter (handling.handling_time_of; None: none, a burst reaches the engine at once).
+    # engine's interpreter (workload.handling_time: the timed intakes, else the short arrival gaps;
+    # None: none, a burst reaches the engine at once).
     handling: HandlingTime | None = None
     # The server's turns on the /metrics scrapes (handling.scrape_turns_of; None: none modelled).
     scrapes: ScrapeTurns | None = None
