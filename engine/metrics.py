@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpilot.engine import metrics_names as names
 from kvpilot.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLoggerBase
-from kvpilot.engine.step_metrics import ArrivalGaps, StepShapeCounters, engine_histogram
+from kvpilot.engine.step_metrics import ServerTurns, StepShapeCounters
 
 GiB = 1 << 30
 
@@ -217,22 +217,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self.step_shape = StepShapeCounters(
             registry, (engine, model_name), int(model_config.get("max_num_seqs") or 1)
         )
-        self.arrival_gaps = ArrivalGaps(registry, (engine, model_name))
-        self.render_seconds = engine_histogram(
-            registry,
-            (engine, model_name),
-            names.ENGINE_METRICS_RENDER_SECONDS,
-            "Seconds the server took to answer one /metrics scrape (routing, rendering, sending).",
-            names.METRICS_RENDER_BUCKETS,
-        )
-        self.intake_seconds = engine_histogram(
-            registry,
-            (engine, model_name),
-            names.ENGINE_REQUEST_INTAKE_SECONDS,
-            "Seconds the server took to take in one generation request it had to itself, from reaching "
-            "the application to its hand-off to the engine.",
-            names.REQUEST_INTAKE_BUCKETS,
-        )
+        self.server_turns = ServerTurns(registry, (engine, model_name))
 
         self._cache_config = dict(cache_config)
         self._cache_info = info(
@@ -395,14 +380,14 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def record_scrape(self, seconds: float) -> None:
         """One /metrics answer took the server ``seconds`` (seen from the next scrape on)."""
-        self.render_seconds.observe(seconds)
+        self.server_turns.record_scrape(seconds)
 
     def record_intake(self, seconds: float) -> None:
         """The server took ``seconds`` to take in one request it had to itself."""
-        self.intake_seconds.observe(seconds)
+        self.server_turns.record_intake(seconds)
 
     def record_arrival(self, arrival_time: float) -> None:
-        self.arrival_gaps.record(arrival_time)
+        self.server_turns.record_arrival(arrival_time)
 
     def record_aborted(self, num_seqs: int) -> None:
         """Count ``num_seqs`` sequences aborted from outside the engine (client gone)."""

@@ -15,9 +15,10 @@ them -- the event loop's turns, a collector's pause -- which shorter steps feel 
 knows the context so that the spread does not hold what the planner's step-time model already prices:
 a batch size's steps over 300 and over 800 tokens of context differ by their shape, not by chance.
 
-And ``kvpilot_engine_arrival_gap_seconds`` (``ArrivalGaps``): the time between two requests' arrivals.
-A burst's requests reach the engine one server turn apart, so its short gaps are the server's time on
-each request, which a planner spaces a simulated burst by.
+And the server's turns (``ServerTurns``): the time between two requests' arrivals, a burst's requests
+reaching the engine one server turn apart; the server's time on each request it took in alone; and its
+time on each /metrics scrape. A planner spaces a simulated burst by the first two and takes the scrapes
+as turns of their own.
 """
 
 from __future__ import annotations
@@ -121,13 +122,15 @@ def context_class(context_tokens: int) -> int:
     return 1 + int(4 * math.log2(context_tokens)) if context_tokens > 0 else 0
 
 
-class ArrivalGaps:
-    """``kvpilot_engine_arrival_gap_seconds``: each request's arrival stamp less the latest one before
-    it (0 for a stamp no later than it: the prompts of one call share theirs). The first request has
-    no gap."""
+class ServerTurns:
+    """The server's turns on the interpreter the steps share, for a planner to draw:
+    ``kvpilot_engine_arrival_gap_seconds``, each request's arrival stamp less the latest one before it
+    (0 for a stamp no later than it: the prompts of one call share theirs; the first request has no
+    gap), ``kvpilot_engine_request_intake_seconds``, each request taken in alone, and
+    ``kvpilot_engine_metrics_render_seconds``, each /metrics answer."""
 
     def __init__(self, registry: CollectorRegistry, engine_labels: tuple[str, str]) -> None:
-        self._hist = engine_histogram(
+        self._gaps = engine_histogram(
             registry,
             engine_labels,
             names.ENGINE_ARRIVAL_GAP_SECONDS,
@@ -135,9 +138,30 @@ class ArrivalGaps:
             names.ARRIVAL_GAP_BUCKETS,
         )
         self._last: float | None = None
+        self._intakes = engine_histogram(
+            registry,
+            engine_labels,
+            names.ENGINE_REQUEST_INTAKE_SECONDS,
+            "Seconds the server took to take in one generation request it had to itself, from reaching "
+            "the application to its hand-off to the engine.",
+            names.REQUEST_INTAKE_BUCKETS,
+        )
+        self._renders = engine_histogram(
+            registry,
+            engine_labels,
+            names.ENGINE_METRICS_RENDER_SECONDS,
+            "Seconds the server took to answer one /metrics scrape (routing, rendering, sending).",
+            names.METRICS_RENDER_BUCKETS,
+        )
 
-    def record(self, arrival_time: float) -> None:
+    def record_arrival(self, arrival_time: float) -> None:
         last = self._last
         if last is not None:
-            self._hist.observe(max(0.0, arrival_time - last))
+            self._gaps.observe(max(0.0, arrival_time - last))
         self._last = arrival_time if last is None else max(last, arrival_time)
+
+    def record_intake(self, seconds: float) -> None:
+        self._intakes.observe(seconds)
+
+    def record_scrape(self, seconds: float) -> None:
+        self._renders.observe(seconds)

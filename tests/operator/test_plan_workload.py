@@ -605,20 +605,24 @@ def test_hits_a_recompute_explains_add_no_shared_prefix(tmp_path) -> None:
     )
 
 
+def _with_histogram(body: str, k: int, name: str, buckets, per_s: dict[float, int], sum_per_s: float) -> str:
+    """``body`` plus the histogram ``name`` after ``k`` seconds of ``per_s`` observations a second (by
+    bucket bound), summing to ``sum_per_s`` a second."""
+    lines, cumulative = [], 0.0
+    for le in (*buckets, float("inf")):
+        cumulative += per_s.get(le, 0) * k
+        bound = "+Inf" if le == float("inf") else str(le)
+        lines.append(f'{name}_bucket{{engine="0",le="{bound}",model_name="m"}} {cumulative}')
+    lines.append(f'{name}_sum{{engine="0",model_name="m"}} {sum_per_s * k}')
+    lines.append(f'{name}_count{{engine="0",model_name="m"}} {sum(per_s.values()) * k}')
+    return body + "\n".join(lines) + "\n"
+
+
 def _with_arrival_gaps(body: str, k: int) -> str:
     """``body`` plus kvpilot's arrival gaps after ``k`` seconds: each second three gaps of 0.2-0.3 ms
     and one of 0.4-0.5 ms (a burst's requests, one server turn apart), and one of 0.1-0.25 s."""
     per_s = {0.0003: 3, 0.0005: 1, 0.25: 1}
-    lines, cumulative = [], 0.0
-    for le in (*m.ARRIVAL_GAP_BUCKETS, float("inf")):
-        cumulative += per_s.get(le, 0) * k
-        bound = "+Inf" if le == float("inf") else str(le)
-        lines.append(
-            f'{m.ENGINE_ARRIVAL_GAP_SECONDS}_bucket{{engine="0",le="{bound}",model_name="m"}} {cumulative}'
-        )
-    lines.append(f'{m.ENGINE_ARRIVAL_GAP_SECONDS}_sum{{engine="0",model_name="m"}} {0.2012 * k}')
-    lines.append(f'{m.ENGINE_ARRIVAL_GAP_SECONDS}_count{{engine="0",model_name="m"}} {5 * k}')
-    return body + "\n".join(lines) + "\n"
+    return _with_histogram(body, k, m.ENGINE_ARRIVAL_GAP_SECONDS, m.ARRIVAL_GAP_BUCKETS, per_s, 0.2012)
 
 
 def test_the_servers_turn_on_a_request_comes_from_the_short_arrival_gaps(tmp_path) -> None:
@@ -699,16 +703,7 @@ def _with_intakes(body: str, k: int) -> str:
     """``body`` plus kvpilot's timed intakes after ``k`` seconds: each second two of 0.4-0.5 ms and one
     of 10-25 ms (a turn that met a slow moment; longer than the decode step, and still the server's)."""
     per_s = {0.0005: 2, 0.025: 1}
-    lines, cumulative = [], 0.0
-    for le in (*m.REQUEST_INTAKE_BUCKETS, float("inf")):
-        cumulative += per_s.get(le, 0) * k
-        bound = "+Inf" if le == float("inf") else str(le)
-        lines.append(
-            f'{m.ENGINE_REQUEST_INTAKE_SECONDS}_bucket{{engine="0",le="{bound}",model_name="m"}} {cumulative}'
-        )
-    lines.append(f'{m.ENGINE_REQUEST_INTAKE_SECONDS}_sum{{engine="0",model_name="m"}} {0.0184 * k}')
-    lines.append(f'{m.ENGINE_REQUEST_INTAKE_SECONDS}_count{{engine="0",model_name="m"}} {3 * k}')
-    return body + "\n".join(lines) + "\n"
+    return _with_histogram(body, k, m.ENGINE_REQUEST_INTAKE_SECONDS, m.REQUEST_INTAKE_BUCKETS, per_s, 0.0184)
 
 
 def test_the_timed_intakes_give_the_servers_turn_over_the_arrival_gaps(tmp_path) -> None:
