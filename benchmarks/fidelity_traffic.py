@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,3 +82,18 @@ def rank_of(value: float, sample: Sequence[float]) -> tuple[int, int]:
     """How many of the finite values of ``sample`` lie below ``value``, and how many are finite."""
     finite = [x for x in sample if math.isfinite(x)]
     return sum(x < value for x in finite), len(finite)
+
+
+def quantile_interval(values: list[float], q: float, level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free ``level`` interval for the ``q`` quantile of what ``values`` sample: the
+    order statistics whose ranks bound the count of samples below that quantile, a binomial (n, q),
+    at its two tails (normal approximation). With some 1,100 requests the p99 is the 11th slowest
+    and its 95 % interval runs from about the 18th to the 5th slowest."""
+    if not values:
+        return math.nan, math.nan
+    ordered, n = sorted(values), len(values)
+    z = statistics.NormalDist().inv_cdf(0.5 + level / 2)
+    half = z * math.sqrt(n * q * (1 - q))
+    lo = min(n, max(1, math.floor(n * q - half)))
+    hi = min(n, max(1, math.ceil(n * q + half)))
+    return ordered[lo - 1], ordered[hi - 1]

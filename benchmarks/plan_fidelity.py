@@ -103,7 +103,7 @@ except ImportError:  # run as a script: put the repository root on the path
     from tests.operator.test_plan_cli import isvc as vllm_isvc
 
 from benchmarks import fidelity_cpu  # the repository root is on the path
-from benchmarks.fidelity_traffic import rank_of, traffic_p99s
+from benchmarks.fidelity_traffic import quantile_interval, rank_of, traffic_p99s
 from kvpilot.engine import metrics_names as m
 from kvpilot.engine.config import to_cli_args
 from kvpilot.engine.server.cli import positive_int
@@ -911,6 +911,33 @@ def print_tail(rows: list[dict]) -> None:
         print(f"  {row['workload']:8} {row['setting'][:24]:24} {'  '.join(cells)}")
 
 
+def print_interval(rows: list[dict]) -> None:
+    """The measured TTFT p99 is itself a sample: where a prediction falls against that p99's 95 %
+    interval over the same requests (``quantile_interval``) says whether an error is more than the
+    measurement's own uncertainty."""
+    shown = [(row, measured) for row in rows if (measured := engine_ttfts(row["measured"]))]
+    if not shown:
+        return
+    print()
+    print("the measured TTFT p99's own 95 % interval (order statistics of its requests), ms")
+    inside = near = 0
+    for row, measured in shown:
+        lo, hi = quantile_interval(measured, 0.99)
+        predicted = row["predicted"]["ttft_p99_s"]
+        inside += lo <= predicted <= hi
+        near += lo * (1 - GOALS["ttft_p99_s"]) <= predicted <= hi * (1 + GOALS["ttft_p99_s"])
+        print(
+            f"  {row['workload']:8} {row['setting'][:24]:24} {_ms1(row['measured']['ttft_p99_engine_s'])} "
+            f"in {_ms1(lo)}-{_ms1(hi)} ({_pct(rel(lo, row['measured']['ttft_p99_engine_s']))} "
+            f"{_pct(rel(hi, row['measured']['ttft_p99_engine_s']))}) of {len(measured)} requests; "
+            f"predicted {_ms1(predicted)}"
+        )
+    print(
+        f"predicted TTFT p99 within the measured p99's 95 % interval: {inside}/{len(shown)}; within "
+        f"25 % of it: {near}/{len(shown)}"
+    )
+
+
 def _draws(predicted: dict) -> str:
     """The predicted TTFT p99 over the plan's draws of the workload (seed 0 first), when made."""
     draws = [predicted["ttft_p99_s"], *predicted.get("ttft_p99_draws_s", [])]
@@ -1131,6 +1158,7 @@ def main(argv: list[str] | None = None) -> int:
     if sampled:
         print_traffic(sampled)
     print_tail(rows)
+    print_interval(rows)
     for row in rows:
         if row["setting"].startswith("in force"):
             plan = row["plan"]

@@ -324,6 +324,8 @@ def evaluate(
             client_turnaround_s=ctx.client_turnaround_s,
             handling=ctx.handling.draw if ctx.handling is not None else None,
             scrapes=(ctx.scrapes.period_s, ctx.scrapes.render.draw) if ctx.scrapes is not None else None,
+            scrape_times=workload.scrape_times if workload.trace is not None else (),
+            stamped=workload.trace is not None,
             seed=draw,
         )
 

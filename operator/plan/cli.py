@@ -296,7 +296,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if ctx.handling is not None:
         print(f"server: one request at a time, {ctx.handling.describe()}")
     if ctx.scrapes is not None:
-        print(f"server: {ctx.scrapes.describe()}")
+        at = ""
+        if workload.trace is not None and workload.scrape_times:
+            at = f", at the {len(workload.scrape_times)} times the recording scraped"
+        print(f"server: {ctx.scrapes.describe()}{at}")
     for note in ctx.notes:
         print(f"note: {note}")
     print(format_table(results, ctx.current, chosen))

@@ -24,7 +24,11 @@ class Ingest:
     (None: no turns; a request reaches the engine when it is sent). ``scrapes``: (period in seconds,
     one render's time at a quantile): a scrape every period, each a turn of the server's like a
     request's, the first ``scrape_phase`` of a period after the first arrival (None: drawn from
-    ``rng``); None: no scrape turns."""
+    ``rng``); None: no scrape turns. ``scrape_times``: when the scrapes come instead (the arrivals'
+    clock, ascending; a recording's own, for the requests of its trace), every period after the last.
+    ``stamped``: the times are when each request reached the engine, its turn behind it (a trace's
+    stamps), so the turn ends there instead of starting there (unless a client held the request back,
+    which then sends it when free)."""
 
     def __init__(
         self,
@@ -34,8 +38,11 @@ class Ingest:
         rng: random.Random,
         scrapes: tuple[float, Callable[[float], float]] | None = None,
         scrape_phase: float | None = None,
+        scrape_times: Sequence[float] = (),
+        stamped: bool = False,
     ) -> None:
         self.times = times
+        self.stamped = stamped
         # When each client can send again (max_in_flight of them; a min-heap): at once at first, then
         # a turnaround after its request finished.
         self.clients_free_at = [-math.inf] * max_in_flight if max_in_flight is not None else None
@@ -48,7 +55,11 @@ class Ingest:
         if scrapes is not None and not self.scrape_period > 0:
             raise SimulationError(f"the scrape period must be > 0, got {self.scrape_period!r}")
         self.next_scrape = math.inf  # when the next scrape comes (inf: none)
-        if scrapes is not None:
+        # The scrapes still to come at their given times, the soonest last (popped from the end).
+        self.scrapes_at = sorted(scrape_times, reverse=True) if scrapes is not None else []
+        if scrapes is not None and self.scrapes_at:
+            self.next_scrape = self.scrapes_at.pop()
+        elif scrapes is not None:
             phase = rng.random() if scrape_phase is None else scrape_phase
             self.next_scrape = (times[0] if times else 0.0) + phase * self.scrape_period
 
@@ -68,7 +79,7 @@ class Ingest:
         """Take the next scrape in: a turn after what the server is doing; returns its seconds."""
         seconds = self._turn(self.render, "a scrape's render time")
         self.free_at = max(self.free_at, self.next_scrape) + seconds
-        self.next_scrape += self.scrape_period
+        self.next_scrape = self.scrapes_at.pop() if self.scrapes_at else self.next_scrape + self.scrape_period
         return seconds
 
     def _scrapes_until(self, t: float) -> None:
@@ -94,11 +105,17 @@ class Ingest:
     def take(self) -> float:
         """Send the next arrival and queue its handling; returns the handling's seconds."""
         sent = self.next_sent()
+        held = sent > self.times[self.next_index]
         if self.clients_free_at is not None:
             heapq.heappop(self.clients_free_at)
-        self._scrapes_until(sent)
+        if self.stamped and not held:
+            seconds = self._draw() if self.handling is not None else 0.0
+            sent -= seconds  # the turn that ended at the stamp
+            self._scrapes_until(sent)
+        else:
+            self._scrapes_until(sent)
+            seconds = self._draw() if self.handling is not None else 0.0
         begin = max(sent, self.free_at)
-        seconds = self._draw() if self.handling is not None else 0.0
         self.free_at = begin + seconds
         self.handled.append((self.free_at, self.next_index))
         self.next_index += 1

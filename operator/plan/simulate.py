@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from kvpilot.engine.block_manager import BlockManager
@@ -234,6 +234,8 @@ def simulate(
     client_turnaround_s: float = 0.0,
     handling: Callable[[float], float] | None = None,
     scrapes: tuple[float, Callable[[float], float]] | None = None,
+    scrape_times: Sequence[float] = (),
+    stamped: bool = False,
     seed: int = 0,
 ) -> SimResult:
     """Run ``arrivals`` (sorted by time here) through one simulated engine replica.
@@ -255,7 +257,9 @@ def simulate(
     and the step that admits them waits for their responses to start (None: no turns; every request
     reaches the engine when sent). ``scrapes``: (period, a render's time at a quantile): the server's
     turns on the ``/metrics`` scrapes, one every period (``handling.ScrapeTurns``), which hold up the
-    step they fall in and the requests behind them like a request's turn (None: none). ``seed``: the
+    step they fall in and the requests behind them like a request's turn (None: none), each at its
+    time in ``scrape_times`` where given (the recording's, with its trace's requests: the very scrapes
+    they met), else from a phase drawn with the handling times, every period after. ``seed``: the
     draws of a step-time model that spreads single steps (``jittered``; a run with the same seed draws
     the same factors). Raises SimulationError for an arrival the engine would refuse or a step time
     that is not positive.
@@ -265,7 +269,13 @@ def simulate(
         raise SimulationError(f"client_turnaround_s must be >= 0, got {client_turnaround_s!r}")
     # The handling times come from a stream of their own, apart from the step spread's.
     ingest = Ingest(
-        [a.time for a in ordered], max_in_flight, handling, random.Random(f"handling-{seed}"), scrapes
+        [a.time for a in ordered],
+        max_in_flight,
+        handling,
+        random.Random(f"handling-{seed}"),
+        scrapes,
+        scrape_times=scrape_times,
+        stamped=stamped,
     )
     # The attention totals of each step, only for a model that prices them (one pass per step).
     shaped = getattr(step_time, "uses_attention_shape", True)

@@ -63,8 +63,15 @@ def read_trace(
 
 
 def with_trace(workload: Workload, scrapes: Sequence[PlanScrape], paths: Sequence[str]) -> Workload:
-    """``workload`` with its arrivals taken from the request trace files ``paths``."""
+    """``workload`` with its arrivals taken from the request trace files ``paths``, and, for a recording
+    of one pod, the times of its scrapes on the same clock (``Workload.scrape_times``): a request that
+    met a scrape's render meets it again in the simulation. With several pods each was scraped at times
+    of its own, and the simulated replica's are drawn as without a trace."""
     start = min(s.time for s in scrapes)
     end = max(s.time for s in scrapes)
     spans = segment_spans(scrapes)
-    return dataclasses.replace(workload, trace=read_trace(paths, start, end, spans if len(spans) > 1 else ()))
+    trace = read_trace(paths, start, end, spans if len(spans) > 1 else ())
+    one_pod = len({s.pod for s in scrapes}) == 1
+    # Recordings laid end to end join where one's last scrape and the next one's first meet: one scrape.
+    times = tuple(sorted({s.time - start for s in scrapes})) if one_pod else ()
+    return dataclasses.replace(workload, trace=trace, scrape_times=times)

@@ -121,6 +121,10 @@ class Workload:
     # The requests as a per-request trace recorded them (``kvpilot serve --request-trace``), used
     # instead of the histograms' distributions when given (``with_trace``).
     trace: tuple[Arrival, ...] | None = None
+    # With the trace of a recording of one pod: its scrapes' times (seconds from the recording's
+    # start, the trace's clock), when the simulation takes the server's turns on them, so the traced
+    # requests meet the very scrapes they met (``with_trace``). Empty: the scrapes' phase is drawn.
+    scrape_times: tuple[float, ...] = ()
     # The mean of the recorded vllm:time_to_first_token_seconds over the recording (None: not
     # exported, or no first token in it): what the engine measured from a request's arrival, which
     # includes time the simulated scheduler does not see (see calibrate.calibrate_ttft).

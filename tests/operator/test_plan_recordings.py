@@ -83,6 +83,20 @@ def test_a_trace_follows_its_recording_to_the_joined_clock(tmp_path) -> None:
     assert [x.time for x in traced.trace] == [2.5, 23.0]
     alone = read_recording(b)
     assert [x.time for x in with_trace(workload_from_scrapes(alone), alone, [str(trace)]).trace] == [3.0]
+    # The scrapes of the one pod come along on the same clock: A's at 0-20 s, B's from where A's end
+    # (its first one and A's last are one scrape there), at 20-30.
+    assert traced.scrape_times == tuple(float(k) for k in range(31))
+    assert workload_from_scrapes(scrapes).scrape_times == ()  # drawn, without a trace
+
+
+def test_a_trace_of_several_pods_leaves_the_scrape_times_to_be_drawn(tmp_path) -> None:
+    rows = [(1000.0 + k + 0.5 * (pod == "q"), pod, _scrape(k)) for k in range(11) for pod in ("p", "q")]
+    path = _write(tmp_path, rows, "two-pods.jsonl")
+    trace = tmp_path / "requests.jsonl"
+    trace.write_text(json.dumps({"arrival": 1002.0, "prompt_tokens": 30, "output_tokens": 5}) + "\n")
+    scrapes = read_recording(path)
+    traced = with_trace(workload_from_scrapes(scrapes), scrapes, [str(trace)])
+    assert [x.time for x in traced.trace] == [2.0] and traced.scrape_times == ()
 
 
 def test_plan_takes_several_recordings(tmp_path, capsys) -> None:

@@ -30,6 +30,46 @@ def test_a_step_ends_later_by_every_scrape_that_comes_before_it_ends() -> None:
     assert plain.step_end(0.0, 1.0) == 1.0 and plain.next_scrape == math.inf
 
 
+def test_scrapes_come_at_their_given_times_then_every_period() -> None:
+    """Scrapes given at 0.3 and 0.5 (0.25 s each), then every 1 s: at 1.5, 2.5, ... A 1 s step from 0
+    meets both given ones and ends at 1.5, as the next comes: the step from 1.5 meets that one and the
+    one at 2.5, and ends at 3.0; the next scrape is at 3.5."""
+    ingest = Ingest([], None, None, random.Random(0), (1.0, _turn(0.25)), scrape_times=[0.5, 0.3])
+    assert ingest.step_end(0.0, 1.0) == pytest.approx(1.5)
+    assert ingest.step_end(1.5, 1.0) == pytest.approx(3.0)
+    assert ingest.next_scrape == pytest.approx(3.5)
+    # Without scrape turns the given times mean nothing.
+    assert Ingest([], None, None, random.Random(0), None, scrape_times=[0.3]).step_end(0.0, 1.0) == 1.0
+
+
+def test_a_request_meets_the_scrape_given_at_its_time_whatever_the_seed() -> None:
+    """Requests every 2 s, a one-step prefill of 1 s each; scrapes given at 4.5 and 10.2 (0.3 s each),
+    then every 100 s. The requests sent at 4 and 10 meet them and take 1.3 s to their first token,
+    with any seed; every other one takes 1 s."""
+    arrivals = [Arrival(2.0 * i, 8, 1) for i in range(40)]
+    for seed in (1, 2, 3):
+        run = simulate(
+            SETTINGS, arrivals, FixedStep(), scrapes=(100.0, _turn(0.3)), scrape_times=[4.5, 10.2], seed=seed
+        )
+        assert [round(t, 6) for t in run.ttft_s[:8]] == [1.0, 1.0, 1.3, 1.0, 1.0, 1.3, 1.0, 1.0]
+        assert max(run.ttft_s[8:]) == pytest.approx(1.0) and min(run.ttft_s) == pytest.approx(1.0)
+
+
+def test_a_traced_request_reaches_the_engine_at_its_stamp_its_turn_behind_it() -> None:
+    """A trace stamps each request where it reached the engine, after the server's turn on it. With
+    0.1 s turns, requests stamped at 1.0 and 1.05 reach the engine at 1.0 (the turn ran from 0.9) and
+    1.1 (its turn waited for the first's); taken as sent at those times they would reach it at 1.1 and
+    1.2. A scrape given at 0.97 comes after both turns began and renders after them, until 1.35."""
+    scrapes = (100.0, _turn(0.25))
+    stamped = Ingest([1.0, 1.05], None, _turn(0.1), random.Random(0), scrapes, None, [0.97], True)
+    stamped.take_until(1.05)
+    assert [stamp for stamp, _ in stamped.reached(2.0)] == pytest.approx([1.0, 1.1])
+    assert stamped.step_end(1.1, 0.1) == pytest.approx(1.35 + 0.1)
+    sent = Ingest([1.0, 1.05], None, _turn(0.1), random.Random(0))
+    sent.take_until(1.05)
+    assert [stamp for stamp, _ in sent.reached(2.0)] == pytest.approx([1.1, 1.2])
+
+
 def test_a_request_sent_during_a_scrape_is_taken_in_after_it() -> None:
     """Requests sent at 0, 0.2 and 0.6, a scrape at 0.5 rendering until 0.75. With a 0.1 s turn each,
     the first two are in at 0.1 and 0.3; the third, sent during the scrape, takes its turn after it
