@@ -259,7 +259,9 @@ def simulate(
     turns on the ``/metrics`` scrapes, one every period (``handling.ScrapeTurns``), which hold up the
     step they fall in and the requests behind them like a request's turn (None: none), each at its
     time in ``scrape_times`` where given (the recording's, with its trace's requests: the very scrapes
-    they met), else from a phase drawn with the handling times, every period after. ``seed``: the
+    they met), else from a phase drawn with the handling times, every period after. ``stamped``: the
+    arrivals' times are when they reached the engine, the server's turn on each already behind it (a
+    trace's stamps), so that turn ends there rather than starting there. ``seed``: the
     draws of a step-time model that spreads single steps (``jittered``; a run with the same seed draws
     the same factors). Raises SimulationError for an arrival the engine would refuse or a step time
     that is not positive.
